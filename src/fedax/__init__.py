@@ -1,0 +1,3 @@
+"""fedax: federated learning in JAX."""
+
+__version__ = "0.1.0"
