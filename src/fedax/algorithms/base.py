@@ -1,0 +1,39 @@
+"""The algorithm interface: ``FederatedAlgorithm(init, round, server_params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+
+from fedax.client import Batches
+
+
+class CohortBatches(NamedTuple):
+    """One round's cohort as device arrays (client-placed: leading clients axis C).
+
+    Attributes:
+      batches: ``Batches`` with ``x [C, S, B, ...]``, ``y [C, S, B]``, ``mask [C, S, B]``.
+      num_examples: ``[C]`` float, n_k of each client (the FedAvg weights).
+      client_ids: ``[C]`` int32, population index of each client (for per-client state).
+    """
+
+    batches: Batches
+    num_examples: jax.Array
+    client_ids: jax.Array
+
+
+class FederatedAlgorithm(NamedTuple):
+    """A federated algorithm as pure functions (optax's shape, FedJAX's semantics).
+
+    Attributes:
+      init: ``init(params, key) -> state``.
+      round: ``round(state, cohort: CohortBatches, key) -> (state, metrics)``; written with
+        the placement primitives, so it jit-compiles to one program and is differentiable.
+      server_params: ``server_params(state) -> params``, the model to evaluate.
+    """
+
+    init: Callable[[Any, jax.Array], Any]
+    round: Callable[[Any, CohortBatches, jax.Array], tuple[Any, dict[str, jax.Array]]]
+    server_params: Callable[[Any], Any]

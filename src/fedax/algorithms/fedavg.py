@@ -1,0 +1,75 @@
+"""FederatedAveraging (McMahan et al., AISTATS 2017, Algorithm 1, with erratum 4).
+
+Each round, the server broadcasts w_t to the sampled clients S_t; client k runs
+ClientUpdate (E epochs of minibatch SGD with batch size B, i.e. E·⌈n_k/B⌉ steps) and
+returns w^k_{t+1}; with m_t = Σ_{k∈S_t} n_k the server forms the pseudo-gradient
+
+    Δ_t = w_t − Σ_{k∈S_t} (n_k / m_t) w^k_{t+1}
+
+and applies a server optimizer to it (Reddi et al. 2021's FedOpt form). With server SGD at
+learning rate 1 this is exactly w_{t+1} = Σ (n_k/m_t) w^k_{t+1}, plain FedAvg.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedax import federated as fed
+from fedax.algorithms.base import CohortBatches, FederatedAlgorithm
+from fedax.client import Batches, LossFn, local_train
+
+
+class FedAvgState(NamedTuple):
+    params: Any
+    server_opt_state: Any
+    round: jax.Array
+
+
+def fedavg(
+    loss_fn: LossFn,
+    client_optimizer: optax.GradientTransformation,
+    server_optimizer: optax.GradientTransformation | None = None,
+) -> FederatedAlgorithm:
+    """FedAvg with an optax client optimizer and an optax server optimizer.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar``, the masked mean loss of one batch.
+      client_optimizer: local optimizer, e.g. ``optax.sgd(client_lr)`` (the paper's).
+      server_optimizer: applied to the pseudo-gradient Δ_t; default ``optax.sgd(1.0)``.
+
+    Returns:
+      A ``FederatedAlgorithm``. Its round metrics are ``train_loss`` (n_k-weighted mean of
+      the clients' mean local loss) and ``local_steps`` (mean real local steps).
+    """
+    server_optimizer = server_optimizer or optax.sgd(1.0)
+
+    def init(params, key):
+        del key
+        return FedAvgState(params, server_optimizer.init(params), jnp.zeros((), jnp.int32))
+
+    def client_update(params, batches: Batches):
+        result = local_train(loss_fn, params, batches, client_optimizer)
+        delta = jax.tree.map(jnp.subtract, params, result.params)
+        return delta, result.loss, result.num_steps
+
+    def round_fn(state: FedAvgState, cohort: CohortBatches, key):
+        del key
+        num_clients = cohort.num_examples.shape[0]
+        at_clients = fed.broadcast(state.params, num_clients)
+        deltas, losses, steps = fed.map_clients(client_update, at_clients, cohort.batches)
+        pseudo_grad = fed.weighted_mean(deltas, cohort.num_examples)
+        updates, opt_state = server_optimizer.update(
+            pseudo_grad, state.server_opt_state, state.params
+        )
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "train_loss": fed.weighted_mean(losses, cohort.num_examples),
+            "local_steps": fed.mean(steps),
+        }
+        return FedAvgState(params, opt_state, state.round + 1), metrics
+
+    return FederatedAlgorithm(init, round_fn, lambda state: state.params)
