@@ -1,0 +1,320 @@
+"""The experiment config of ``fedax run CONFIG [--set key=value ...]``: schema and validation.
+
+A config is a YAML mapping; every section forbids unknown keys and types are strict
+(``rounds: "10"`` is an error, not 10). All failures raise :class:`ConfigError` with one
+line naming the key (dotted for nested sections, e.g. ``server.lr``) and what it allows.
+
+Notation of McMahan et al. (2017): C = ``client_fraction``, E = ``local_epochs``,
+B = ``batch_size`` (``inf``: the whole local data set is one batch). FedSGD is FedAvg with
+E = 1 and B = inf, so for ``algorithm: fedsgd`` those two keys may be omitted (they are
+filled in) or set to exactly those values; anything else is an error. For ``fedavg`` both
+are required.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import types
+from collections.abc import Iterable, Mapping, Sequence
+from os import PathLike
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+
+
+class ConfigError(ValueError):
+    """An invalid config; the message is one line naming the key and what is allowed."""
+
+
+_FLOAT_STRING = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _float_from_string(value: Any) -> Any:
+    # YAML 1.1 reads `1e-3` (no dot) as a string; accept numeric strings for float keys.
+    if isinstance(value, str) and _FLOAT_STRING.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
+Number = Annotated[float, BeforeValidator(_float_from_string)]
+
+
+def _batch_size(value: Any) -> int | float:
+    if isinstance(value, str) and value.strip().lower() in ("inf", ".inf", "infinity"):
+        return math.inf
+    if isinstance(value, float) and value == math.inf:
+        return math.inf
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(f"must be an integer >= 1 or inf, got {value!r}")
+
+
+BatchSize = Annotated[
+    Union[int, float],  # noqa: UP007 (pydantic inspects the annotation)
+    PlainValidator(_batch_size),
+    PlainSerializer(lambda v: "inf" if v == math.inf else v),
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ServerConfig(_Section):
+    """The server optimizer, applied to the pseudo-gradient (FedAvg: sgd with lr 1)."""
+
+    optimizer: Literal["sgd", "momentum", "adam"] = "sgd"
+    lr: Number = Field(1.0, gt=0, allow_inf_nan=False)
+    momentum: Number = Field(0.9, ge=0, lt=1)
+
+
+class ExecutionConfig(_Section):
+    """How rounds execute; ``auto`` lets the runner choose per backend and model."""
+
+    strategy: Literal["auto", "vmap", "sequential", "unroll"] = "auto"
+    local_steps: Literal["auto", "scan", "unroll"] = "auto"
+
+
+class Config(_Section):
+    """A validated experiment config (see the module docstring)."""
+
+    seed: int = Field(0, ge=0)
+    rounds: int = Field(gt=0)
+    dataset: Literal["mnist"] = "mnist"
+    num_clients: int = Field(100, gt=0)
+    partition: Literal["iid", "pathological", "unbalanced"]
+    model: Literal["2nn", "cnn"]
+    algorithm: Literal["fedavg", "fedsgd"]
+    client_fraction: Number = Field(gt=0, le=1)
+    local_epochs: int = Field(ge=1)
+    batch_size: BatchSize = Field(description="an integer >= 1 or inf")
+    client_lr: Number = Field(gt=0, allow_inf_nan=False)
+    server: ServerConfig = ServerConfig()
+    eval_every: int = Field(1, ge=1)
+    target_accuracy: Number | None = Field(None, gt=0, le=1)
+    stop_at_target: bool = False
+    execution: ExecutionConfig = ExecutionConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fedsgd_defaults(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("algorithm") == "fedsgd":
+            data = {"local_epochs": 1, "batch_size": math.inf, **data}
+        return data
+
+    @field_validator("local_epochs", "batch_size")
+    @classmethod
+    def _fedsgd_is_e1_binf(cls, value: Any, info: ValidationInfo) -> Any:
+        required = {"local_epochs": 1, "batch_size": math.inf}[info.field_name]
+        if info.data.get("algorithm") == "fedsgd" and value != required:
+            raise ValueError(
+                f"must be {'inf' if required == math.inf else required} for algorithm 'fedsgd',"
+                f" got {value!r} (FedSGD is FedAvg with E=1, B=inf: omit the key, or use"
+                " algorithm 'fedavg')"
+            )
+        return value
+
+
+def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
+    """``Annotated[X, ...] | None`` -> ``(X, True)``; ``X`` -> ``(X, False)``."""
+    optional = False
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            annotation, optional = args[0], len(args) < len(get_args(annotation))
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return annotation, optional
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    annotation, _ = _unwrap_optional(annotation)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _bounds(field: FieldInfo) -> str:
+    """The numeric constraints of a field as text: " in (0, 1]", " > 0" and so on."""
+    lo = hi = None
+    for m in field.metadata:  # annotated_types.Gt/Ge/Lt/Le, one bound each
+        for attr, bracket in (("gt", "("), ("ge", "["), ("lt", ")"), ("le", "]")):
+            bound = getattr(m, attr, None)
+            if bound is not None and attr in ("gt", "ge"):
+                lo = (bracket, bound)
+            elif bound is not None:
+                hi = (bracket, bound)
+    if lo and hi:
+        return f" in {lo[0]}{lo[1]}, {hi[1]}{hi[0]}"
+    if lo:
+        return f" {'>' if lo[0] == '(' else '>='} {lo[1]}"
+    if hi:
+        return f" {'<' if hi[0] == ')' else '<='} {hi[1]}"
+    return ""
+
+
+def _allowed(field: FieldInfo) -> str:
+    """What a field accepts, in words, derived from its annotation and constraints."""
+    annotation, optional = _unwrap_optional(field.annotation)
+    section = _section(annotation)
+    if field.description:
+        text = field.description
+    elif get_origin(annotation) is Literal:
+        text = "one of " + ", ".join(repr(a) for a in get_args(annotation))
+    elif section is not None:
+        text = "a section with keys " + ", ".join(section.model_fields)
+    elif annotation is int:
+        text = "an integer" + _bounds(field)
+    elif annotation is float:
+        text = "a number" + _bounds(field)
+    else:
+        text = str(annotation)
+    return text + (" or null" if optional else "")
+
+
+def _model_at(path: Sequence[str | int]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Config
+    for part in path:
+        if model is None or part not in model.model_fields:
+            return None
+        model = _section(model.model_fields[part].annotation)
+    return model
+
+
+def _field_at(path: Sequence[str | int]) -> FieldInfo | None:
+    parent = _model_at(path[:-1]) if path else None
+    return parent.model_fields.get(path[-1]) if parent is not None else None
+
+
+def _unknown_key(path: Sequence[str], model: type[BaseModel]) -> str:
+    return f"unknown config key '{'.'.join(path)}' (allowed: {', '.join(model.model_fields)})"
+
+
+def _one_line(error: ValidationError) -> str:
+    """The first error of a pydantic ValidationError as one line naming the key."""
+    err = error.errors()[0]
+    loc = [str(part) for part in err["loc"]]
+    key = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        return _unknown_key(loc, _model_at(loc[:-1]) or Config)
+    if not loc:
+        return f"config must be a mapping of keys to values, got {err['input']!r}"
+    field = _field_at(loc)
+    allowed = _allowed(field) if field is not None else err["msg"]
+    if err["type"] == "missing":
+        return f"config key '{key}' is required: {allowed}"
+    if err["type"] == "value_error":  # our validators' messages say what they got
+        return f"config key '{key}': {err['ctx']['error']}"
+    return f"config key '{key}': must be {allowed}, got {err['input']!r}"
+
+
+def validate_config(data: Any) -> Config:
+    """Validates a parsed config (a mapping, e.g. YAML's); raises :class:`ConfigError`."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e)) from None
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    key, sep, raw = override.partition("=")
+    path = key.strip().split(".")
+    if not sep or not all(path):
+        raise ConfigError(f"malformed --set {override!r}: expected key=value, e.g. server.lr=0.5")
+    model: type[BaseModel] = Config
+    node = data
+    for i, part in enumerate(path):
+        if part not in model.model_fields:
+            raise ConfigError(_unknown_key(path[: i + 1], model) + f" in --set {override!r}")
+        if i == len(path) - 1:
+            break
+        section = _section(model.model_fields[part].annotation)
+        if section is None:
+            raise ConfigError(
+                f"unknown config key '{key.strip()}' in --set {override!r}"
+                f" ('{'.'.join(path[: i + 1])}' is not a section)"
+            )
+        model = section
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(
+                f"config key '{'.'.join(path[: i + 1])}': must be "
+                f"{_allowed(_field_at(path[: i + 1]))}, got {child!r}"
+            )
+        node = child
+    try:
+        node[path[-1]] = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {override!r}: value is not valid YAML ({e.problem})") from None
+
+
+def load_config(path: str | PathLike[str], overrides: Iterable[str] = ()) -> Config:
+    """Reads a YAML config, applies ``--set key=value`` overrides, and validates it.
+
+    Args:
+        path: the YAML file.
+        overrides: ``key=value`` strings; dotted keys reach nested sections
+            (``server.lr=0.5``); values are parsed as YAML (``3``, ``0.1``, ``inf``,
+            ``true``, ``null``).
+
+    Returns:
+        The validated :class:`Config`.
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML, malformed or unknown override, or
+            an invalid value; one line naming the key.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file '{path}' is not valid YAML{at}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{path}' must be a mapping of keys to values")
+    for override in overrides:
+        _apply_override(data, override)
+    return validate_config(data)
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """A JSON-serializable dict of ``config`` (B = inf as ``"inf"``); it validates back."""
+    return config.model_dump(mode="json")
+
+
+def check_against_data(config: Config, client_sizes: Sequence[int]) -> None:
+    """Checks the config against the clients' data sizes n_k.
+
+    Raises:
+        ConfigError: a finite ``batch_size`` exceeds every client's n_k (no client could
+            fill one batch).
+    """
+    sizes = [int(n) for n in client_sizes]
+    if not sizes:
+        raise ConfigError("the data has no clients (client_sizes is empty)")
+    largest = max(sizes)
+    if config.batch_size != math.inf and config.batch_size > largest:
+        raise ConfigError(
+            f"config key 'batch_size': {config.batch_size} is larger than every client's data"
+            f" (max n_k = {largest}); use a value <= {largest} or inf"
+        )

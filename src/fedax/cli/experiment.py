@@ -1,0 +1,163 @@
+"""Build and run one experiment from a validated config; write its outputs.
+
+Outputs in ``out_dir``: ``metrics.jsonl`` (one JSON object per evaluation), ``summary.json``
+(config, seed, final accuracy, rounds to target) and ``accuracy.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import optax
+
+from fedax import data as fdata
+from fedax.algorithms import FederatedAlgorithm, fedavg, fedsgd
+from fedax.cli.config import Config, check_against_data, config_to_dict
+from fedax.client import Batches
+from fedax.models import get_model, softmax_cross_entropy
+from fedax.simulation import Execution, History, choose_execution, make_evaluator, run
+
+_DATASETS: dict[str, Any] = {}
+
+
+def load_dataset(name: str) -> dict[str, np.ndarray]:
+    """The named data set as NumPy arrays (cached in-process)."""
+    if name not in _DATASETS:
+        if name != "mnist":
+            raise ValueError(f"unknown dataset {name!r}; allowed: mnist")
+        _DATASETS[name] = fdata.load_mnist()
+    return _DATASETS[name]
+
+
+def partition(config: Config, y: np.ndarray) -> list[np.ndarray]:
+    if config.partition == "iid":
+        return fdata.iid(len(y), config.num_clients, config.seed)
+    if config.partition == "pathological":
+        return fdata.pathological(y, config.num_clients, 2, seed=config.seed)
+    return fdata.unbalanced(len(y), config.num_clients, config.seed)
+
+
+def server_optimizer(config: Config) -> optax.GradientTransformation:
+    server = config.server
+    if server.optimizer == "sgd":
+        return optax.sgd(server.lr)
+    if server.optimizer == "momentum":
+        return optax.sgd(server.lr, momentum=server.momentum)
+    return optax.adam(server.lr)
+
+
+def build_algorithm(config: Config, apply_fn) -> FederatedAlgorithm:
+    def loss_fn(params, batch: Batches):
+        return softmax_cross_entropy(apply_fn(params, batch.x), batch.y, batch.mask)
+
+    if config.algorithm == "fedsgd":
+        return fedsgd(loss_fn, config.client_lr, server_optimizer(config))
+    return fedavg(loss_fn, optax.sgd(config.client_lr), server_optimizer(config))
+
+
+def plot_curves(curves: dict[str, History], path: Path, target: float | None = None) -> None:
+    """Test accuracy against communication rounds, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, history in curves.items():
+        ax.plot(history.column("round"), history.column("test_accuracy"), label=label)
+    if target is not None:
+        ax.axhline(target, color="gray", linestyle="--", linewidth=0.8, label=f"target {target}")
+    ax.set_xlabel("communication rounds")
+    ax.set_ylabel("test accuracy")
+    accs = [a for h in curves.values() for a in h.column("test_accuracy")]
+    if accs:
+        lo = float(np.percentile(accs, 5))
+        ax.set_ylim(max(0.0, min(lo, (target or 1.0) - 0.05)), 1.0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+class JsonlWriter:
+    """Callback: append each evaluation record to a JSON-lines file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.write_text("")
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def run_experiment(
+    config: Config,
+    out_dir: str | Path,
+    *,
+    progress: bool = True,
+    label: str | None = None,
+) -> dict[str, Any]:
+    """Run ``config`` and write ``metrics.jsonl``, ``summary.json`` and ``accuracy.png``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    arrays = load_dataset(config.dataset)
+    train = fdata.ClientData.from_partition(
+        arrays["x_train"], arrays["y_train"], partition(config, arrays["y_train"])
+    )
+    check_against_data(config, train.sizes)
+    model = get_model(config.model)
+    import jax
+
+    params = model.init(jax.random.key(config.seed))
+    algorithm = build_algorithm(config, model.apply)
+    evaluate = make_evaluator(model.apply, arrays["x_test"], arrays["y_test"])
+    execution: Execution = choose_execution(
+        config.execution.strategy, config.execution.local_steps
+    )
+    started = time.perf_counter()
+    history = run(
+        algorithm,
+        params,
+        train,
+        evaluate,
+        rounds=config.rounds,
+        client_fraction=config.client_fraction,
+        local_epochs=config.local_epochs,
+        batch_size=config.batch_size,
+        seed=config.seed,
+        eval_every=config.eval_every,
+        target_accuracy=config.target_accuracy,
+        stop_at_target=config.stop_at_target,
+        execution=execution,
+        callbacks=[JsonlWriter(out / "metrics.jsonl")],
+        progress=progress,
+    )
+    wall = time.perf_counter() - started
+    target = config.target_accuracy
+    reached = history.rounds_to_target(target) if target is not None else None
+    last = history.records[-1]
+    summary = {
+        "config": config_to_dict(config),
+        "seed": config.seed,
+        "rounds_run": last["round"],
+        "final_test_accuracy": last["test_accuracy"],
+        "best_test_accuracy": max(history.column("test_accuracy")),
+        "target_accuracy": target,
+        "rounds_to_target": None if reached is None else round(reached, 1),
+        "wall_time_s": round(wall, 2),
+        "execution": execution._asdict(),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_curves({label or config.algorithm: history}, out / "accuracy.png", target)
+    return summary
+
+
+def fmt_rounds(value: float | None) -> str:
+    return "—" if value is None or not math.isfinite(value) else f"{value:.0f}"

@@ -1,0 +1,50 @@
+"""Classification losses and metrics, masked for padded examples.
+
+With a 0/1 ``mask`` over examples, a metric is the masked mean
+``sum_i mask_i * v_i / max(sum_i mask_i, 1)``: padded examples count for nothing, and an
+all-padding batch gives exactly 0 (and a zero gradient), never NaN. Masked-out examples
+must still have finite logits (padding inputs with zeros guarantees it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def per_example_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """``-log softmax(logits)[label]`` per example: ``[..., K]``, ``[...]`` -> ``[...]``."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """``sum(mask * values) / max(sum(mask), 1)``; the plain mean when ``mask`` is None."""
+    if mask is None:
+        return jnp.mean(values)
+    mask = jnp.asarray(mask).astype(values.dtype)
+    # where() keeps a masked-out non-finite value out of the sum.
+    total = jnp.sum(jnp.where(mask != 0, values, 0) * mask)
+    return total / jnp.maximum(jnp.sum(mask), 1)
+
+
+def softmax_cross_entropy(
+    logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None
+) -> jax.Array:
+    """Mean softmax cross-entropy over the (unmasked) examples.
+
+    Args:
+        logits: ``[..., K]`` float.
+        labels: ``[...]`` integer class ids.
+        mask: optional ``[...]`` 0/1 (or bool) weights; 0 marks padding.
+
+    Returns:
+        A scalar: ``sum_i m_i * CE_i / max(sum_i m_i, 1)``.
+    """
+    return masked_mean(per_example_cross_entropy(logits, labels), mask)
+
+
+def accuracy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Fraction of (unmasked) examples with ``argmax(logits) == label``; 0 if none."""
+    correct = (jnp.argmax(logits, axis=-1) == labels).astype(logits.dtype)
+    return masked_mean(correct, mask)

@@ -1,0 +1,220 @@
+"""Tests for fedax.cli.config: schema, one-line errors, --set overrides, example configs."""
+
+import json
+import math
+from importlib import resources
+from typing import get_args
+
+import pytest
+import yaml
+
+from fedax.cli.config import (
+    Config,
+    ConfigError,
+    check_against_data,
+    config_to_dict,
+    load_config,
+    validate_config,
+)
+
+VALID = {
+    "seed": 3,
+    "rounds": 50,
+    "dataset": "mnist",
+    "num_clients": 100,
+    "partition": "pathological",
+    "model": "2nn",
+    "algorithm": "fedavg",
+    "client_fraction": 0.1,
+    "local_epochs": 1,
+    "batch_size": 10,
+    "client_lr": 0.1,
+    "server": {"optimizer": "momentum", "lr": 1.0, "momentum": 0.5},
+    "eval_every": 5,
+    "target_accuracy": 0.97,
+    "execution": {"strategy": "vmap", "local_steps": "scan"},
+}
+
+
+@pytest.fixture
+def write(tmp_path):
+    def _write(data, name="config.yaml"):
+        path = tmp_path / name
+        path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+        return path
+
+    return _write
+
+
+def _with(**changes):
+    data = json.loads(json.dumps(VALID))
+    for key, value in changes.items():
+        if value is ...:
+            del data[key]
+        else:
+            data[key] = value
+    return data
+
+
+def test_valid_config_round_trips(write):
+    config = load_config(write(VALID))
+    assert config.batch_size == 10 and config.server.optimizer == "momentum"
+    as_dict = config_to_dict(config)
+    assert as_dict == VALID
+    assert validate_config(json.loads(json.dumps(as_dict))) == config
+
+
+def test_defaults():
+    config = validate_config(
+        _with(
+            seed=...,
+            num_clients=...,
+            server=...,
+            execution=...,
+            eval_every=...,
+            target_accuracy=...,
+            dataset=...,
+        )
+    )
+    assert (config.seed, config.num_clients, config.eval_every) == (0, 100, 1)
+    assert (config.server.optimizer, config.server.lr, config.server.momentum) == ("sgd", 1.0, 0.9)
+    assert (config.execution.strategy, config.execution.local_steps) == ("auto", "auto")
+    assert config.dataset == "mnist" and config.target_accuracy is None
+
+
+@pytest.mark.parametrize("value", ["inf", float("inf"), ".inf", "Infinity"])
+def test_batch_size_inf_is_stored_as_math_inf_and_written_as_string(value):
+    config = validate_config(_with(batch_size=value))
+    assert config.batch_size == math.inf
+    assert config_to_dict(config)["batch_size"] == "inf"
+    json.dumps(config_to_dict(config), allow_nan=False)
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "fragment"),
+    [
+        (_with(lr_client=0.1), "'lr_client'", "allowed: seed, rounds"),
+        (_with(server={"lrr": 0.5}), "'server.lrr'", "allowed: optimizer, lr, momentum"),
+        (_with(execution={"strategy": "pmap"}), "'execution.strategy'", "'vmap'"),
+        (_with(rounds="ten"), "'rounds'", "an integer > 0, got 'ten'"),
+        (_with(rounds="10"), "'rounds'", "an integer > 0"),
+        (_with(rounds=...), "'rounds'", "required"),
+        (_with(client_fraction=0.0), "'client_fraction'", "must be a number in (0, 1], got 0.0"),
+        (_with(client_fraction=-0.5), "'client_fraction'", "(0, 1]"),
+        (_with(client_fraction=1.5), "'client_fraction'", "(0, 1]"),
+        (_with(local_epochs=0), "'local_epochs'", ">= 1"),
+        (_with(batch_size=0), "'batch_size'", "an integer >= 1 or inf, got 0"),
+        (_with(batch_size=2.5), "'batch_size'", "an integer >= 1 or inf"),
+        (_with(target_accuracy=0), "'target_accuracy'", "(0, 1] or null"),
+        (_with(target_accuracy=1.5), "'target_accuracy'", "(0, 1] or null"),
+        (_with(client_lr=0), "'client_lr'", "> 0"),
+        (_with(client_lr=True), "'client_lr'", "> 0"),
+        (_with(server={"lr": -1.0}), "'server.lr'", "> 0"),
+        (_with(server={"momentum": 1.0}), "'server.momentum'", "[0, 1)"),
+        (_with(server="adam"), "'server'", "a section with keys optimizer, lr, momentum"),
+        (_with(model="resnet"), "'model'", "'2nn', 'cnn'"),
+        (_with(partition="dirichlet"), "'partition'", "'iid', 'pathological', 'unbalanced'"),
+        (_with(algorithm="fedsgd", local_epochs=5), "'local_epochs'", "must be 1"),
+        (_with(algorithm="fedsgd", batch_size=10), "'batch_size'", "must be inf"),
+    ],
+)
+def test_invalid_configs_name_the_key(write, data, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(data))
+    message = str(info.value)
+    assert "\n" not in message
+    assert key in message and fragment in message
+
+
+def test_fedsgd_fills_in_e1_binf():
+    config = validate_config(_with(algorithm="fedsgd", local_epochs=..., batch_size=...))
+    assert config.local_epochs == 1 and config.batch_size == math.inf
+    explicit = validate_config(_with(algorithm="fedsgd", local_epochs=1, batch_size="inf"))
+    assert explicit == config
+
+
+def test_fedavg_requires_e_and_b():
+    with pytest.raises(ConfigError, match="'local_epochs' is required"):
+        validate_config(_with(local_epochs=...))
+
+
+def test_set_overrides(write):
+    path = write(VALID)
+    config = load_config(
+        path,
+        [
+            "server.lr=0.5",
+            "batch_size=inf",
+            "rounds=7",
+            "client_lr=1e-3",
+            "target_accuracy=null",
+            "execution.strategy=sequential",
+        ],
+    )
+    assert config.server.lr == 0.5 and config.server.optimizer == "momentum"
+    assert config.batch_size == math.inf and config.rounds == 7 and config.client_lr == 1e-3
+    assert config.target_accuracy is None and config.execution.strategy == "sequential"
+
+
+def test_set_reaches_a_section_missing_from_the_file(write):
+    config = load_config(write(_with(server=...)), ["server.optimizer=adam"])
+    assert config.server.optimizer == "adam" and config.server.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [
+        ("rounds", "malformed --set 'rounds'"),
+        ("=3", "malformed"),
+        ("server.=3", "malformed"),
+        ("lr_client=0.1", "unknown config key 'lr_client'"),
+        ("server.lrr=0.5", "unknown config key 'server.lrr' (allowed: optimizer, lr, momentum)"),
+        ("rounds.x=1", "unknown config key 'rounds.x'"),
+        ("client_fraction=0", "config key 'client_fraction'"),
+        ("server.lr=[1", "not valid YAML"),
+    ],
+)
+def test_bad_set_overrides(write, override, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(VALID), [override])
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unreadable_or_malformed_files(write, tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load_config(write("rounds: 3\nmodel: [2nn\n"))
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(write("- 1\n- 2\n"))
+    with pytest.raises(ConfigError, match="'rounds' is required"):
+        load_config(write(""))
+
+
+def test_check_against_data():
+    config = validate_config(_with(batch_size=1000))
+    with pytest.raises(ConfigError) as info:
+        check_against_data(config, [600, 300, 450])
+    assert str(info.value) == (
+        "config key 'batch_size': 1000 is larger than every client's data (max n_k = 600);"
+        " use a value <= 600 or inf"
+    )
+    check_against_data(validate_config(_with(batch_size=600)), [600, 10])
+    check_against_data(validate_config(_with(batch_size="inf")), [5])
+
+
+def test_example_configs_validate():
+    configs = resources.files("fedax") / "configs"
+    fedavg = load_config(configs / "mnist_2nn_noniid_fedavg.yaml")
+    assert (fedavg.algorithm, fedavg.model, fedavg.partition) == ("fedavg", "2nn", "pathological")
+    assert (fedavg.client_fraction, fedavg.local_epochs, fedavg.batch_size) == (0.1, 1, 10)
+    assert (fedavg.rounds, fedavg.eval_every, fedavg.target_accuracy) == (1000, 5, 0.97)
+    fedsgd = load_config(configs / "mnist_2nn_noniid_fedsgd.yaml")
+    assert (fedsgd.algorithm, fedsgd.local_epochs, fedsgd.batch_size) == ("fedsgd", 1, math.inf)
+    assert fedsgd.rounds == 3000
+
+
+def test_model_names_match_the_model_registry():
+    from fedax.models import MODEL_NAMES
+
+    assert get_args(Config.model_fields["model"].annotation) == MODEL_NAMES
