@@ -58,14 +58,23 @@ def _sum_impl(x):
     return jnp.sum(x, axis=0)
 
 
+def _spec(aval) -> tuple:
+    spec = tuple(aval.sharding.spec)
+    return spec + (None,) * (aval.ndim - len(spec))
+
+
 def _broadcast_abstract_eval(x, *, n):
-    return x.update(shape=(n, *x.shape), weak_type=False)
+    # The new clients axis starts replicated; ``broadcast`` then shards it when the mesh
+    # has a 'clients' axis.
+    sharding = x.sharding.update(spec=PartitionSpec(None, *_spec(x)))
+    return x.update(shape=(n, *x.shape), weak_type=False, sharding=sharding)
 
 
 def _sum_abstract_eval(x):
     if x.ndim == 0:
         raise TypeError("federated sum needs a client-placed value (leading clients axis).")
-    return x.update(shape=x.shape[1:], weak_type=False)
+    sharding = x.sharding.update(spec=PartitionSpec(*_spec(x)[1:]))
+    return x.update(shape=x.shape[1:], weak_type=False, sharding=sharding)
 
 
 def _broadcast_transpose(ct, x, *, n):
@@ -115,12 +124,19 @@ def _clients_mesh():
 
 
 def _constrain_clients(tree):
-    """Shard the leading axis of every leaf over the mesh axis 'clients', if present."""
-    if _clients_mesh() is None:
+    """Shard the leading axis of every leaf over the mesh axis 'clients', if present.
+
+    With an ``Auto`` axis this is a sharding constraint for the partitioner; with an
+    ``Explicit`` axis (the default of ``jax.make_mesh``) the value is resharded.
+    """
+    mesh = _clients_mesh()
+    if mesh is None:
         return tree
-    return jax.tree.map(
-        lambda a: jax.lax.with_sharding_constraint(a, PartitionSpec(CLIENTS_AXIS)), tree
-    )
+    explicit = mesh._name_to_type[CLIENTS_AXIS] == jax.sharding.AxisType.Explicit
+    spec = PartitionSpec(CLIENTS_AXIS)
+    if explicit:
+        return jax.tree.map(lambda a: jax.sharding.reshard(a, spec), tree)
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, spec), tree)
 
 
 # --------------------------------------------------------------------------------------

@@ -1,0 +1,123 @@
+"""The simulation runner and the `fedax` command, on real MNIST (fetched and cached)."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from fedax import data as fdata
+from fedax.algorithms import fedavg
+from fedax.cli.main import main
+from fedax.models import get_model, softmax_cross_entropy
+from fedax.simulation import Execution, make_evaluator, rounds_to_target, run
+
+
+def test_rounds_to_target_reads_the_best_so_far_curve_with_interpolation():
+    rounds = [5, 10, 15, 20]
+    acc = [0.90, 0.96, 0.95, 0.98]
+    # best so far: .90 .96 .96 .98; crosses .97 halfway between rounds 15 and 20
+    assert rounds_to_target(rounds, acc, 0.97) == pytest.approx(17.5)
+    assert rounds_to_target(rounds, acc, 0.93) == pytest.approx(5 + (0.03 / 0.06) * 5)
+    assert rounds_to_target(rounds, acc, 0.85) == 5.0
+    assert rounds_to_target(rounds, acc, 0.99) is None
+
+
+@pytest.fixture(scope="module")
+def small_mnist():
+    arrays = fdata.load_mnist()
+    x, y = arrays["x_train"][:2000], arrays["y_train"][:2000]
+    train = fdata.ClientData.from_partition(x, y, fdata.iid(len(y), 20, seed=0))
+    return train, arrays["x_test"][:1000], arrays["y_test"][:1000]
+
+
+def _run(small_mnist, seed, execution=None, rounds=3):
+    train, xt, yt = small_mnist
+    model = get_model("2nn")
+
+    def loss(params, batch):
+        return softmax_cross_entropy(model.apply(params, batch.x), batch.y, batch.mask)
+
+    return run(
+        fedavg(loss, optax.sgd(0.1)),
+        model.init(jax.random.key(seed)),
+        train,
+        make_evaluator(model.apply, xt, yt, chunk=500),
+        rounds=rounds,
+        client_fraction=0.2,
+        local_epochs=1,
+        batch_size=10,
+        seed=seed,
+        eval_every=1,
+        execution=execution,
+    )
+
+
+def test_same_seed_gives_identical_metrics_and_other_seed_differs(small_mnist):
+    strip = lambda h: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in h.records]
+    a, b, c = _run(small_mnist, 0), _run(small_mnist, 0), _run(small_mnist, 1)
+    assert strip(a) == strip(b)
+    assert strip(a) != strip(c)
+    assert a.records[-1]["test_accuracy"] > 0.3  # it learns
+
+
+def test_execution_strategies_agree(small_mnist):
+    ref = _run(small_mnist, 0, Execution("sequential", "scan"), rounds=2)
+    for execution in (Execution("vmap", "scan"), Execution("unroll", "unroll")):
+        other = _run(small_mnist, 0, execution, rounds=2)
+        for r1, r2 in zip(ref.records, other.records, strict=True):
+            assert r1["test_loss"] == pytest.approx(r2["test_loss"], rel=1e-4)
+        for p1, p2 in zip(jax.tree.leaves(ref.state.params), jax.tree.leaves(other.state.params),
+                          strict=True):
+            np.testing.assert_allclose(p1, p2, rtol=1e-4, atol=1e-5)
+
+
+def test_round_sharded_over_8_devices_equals_one_device(small_mnist):
+    assert jax.device_count() >= 8
+    ref = _run(small_mnist, 0, Execution("vmap", "scan"), rounds=2)
+    mesh = jax.make_mesh((8,), ("clients",))
+    train = small_mnist[0]
+    # 20 clients x 0.4 = 8 per round: one client per device
+    model = get_model("2nn")
+
+    def loss(params, batch):
+        return softmax_cross_entropy(model.apply(params, batch.x), batch.y, batch.mask)
+
+    kwargs = dict(rounds=2, client_fraction=0.4, local_epochs=1, batch_size=10, seed=0,
+                  execution=Execution("vmap", "scan"))
+    evaluate = make_evaluator(model.apply, small_mnist[1], small_mnist[2], chunk=500)
+    alg = fedavg(loss, optax.sgd(0.05))
+    plain = run(alg, model.init(jax.random.key(0)), train, evaluate, **kwargs)
+    with jax.set_mesh(mesh):
+        sharded = run(alg, model.init(jax.random.key(0)), train, evaluate, **kwargs)
+    for p1, p2 in zip(jax.tree.leaves(plain.state.params), jax.tree.leaves(sharded.state.params),
+                      strict=True):
+        np.testing.assert_allclose(p1, p2, rtol=1e-5, atol=1e-6)
+    del ref
+
+
+def test_fedax_run_writes_metrics_summary_and_plot(tmp_path):
+    out = tmp_path / "run"
+    code = main(["run", "mnist_2nn_noniid_fedsgd", "--set", "rounds=4", "--set", "eval_every=2",
+                 "--set", "client_lr=0.5", "--out", str(out), "--no-progress"])
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [r["round"] for r in records] == [2, 4]
+    for r in records:
+        assert {"round", "test_accuracy", "test_loss", "elapsed_s"} <= set(r)
+        assert 0.0 <= r["test_accuracy"] <= 1.0 and math.isfinite(r["test_loss"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["seed"] == 0 and summary["config"]["batch_size"] == "inf"
+    assert summary["final_test_accuracy"] == records[-1]["test_accuracy"]
+    assert "rounds_to_target" in summary
+    assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fedax_run_bad_config_is_one_clear_line(capsys):
+    assert main(["run", "mnist_2nn_noniid_fedavg", "--set", "local_epochs=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "local_epochs" in err and "\n" not in err
+    assert main(["run", "no_such_config"]) == 2
+    assert "bundled" in capsys.readouterr().err
