@@ -105,7 +105,7 @@ def test_fedavg_round_matches_numpy_algorithm_1(problem, map_strategy, steps):
     np.testing.assert_allclose(state.params["w"], ref_w, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(state.params["b"], ref_b, rtol=1e-5, atol=1e-6)
     # each client took exactly E * ceil(n_k / B) real steps
-    expected_steps = np.mean([epochs * -(-n // batch_size) for n in sizes])
+    expected_steps = np.average([epochs * -(-n // batch_size) for n in sizes], weights=sizes)
     np.testing.assert_allclose(metrics["local_steps"], expected_steps)
 
 

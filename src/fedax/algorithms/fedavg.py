@@ -43,7 +43,7 @@ def fedavg(
 
     Returns:
       A ``FederatedAlgorithm``. Its round metrics are ``train_loss`` (n_k-weighted mean of
-      the clients' mean local loss) and ``local_steps`` (mean real local steps).
+      the clients' mean local loss) and ``local_steps`` (n_k-weighted mean of real local steps).
     """
     server_optimizer = server_optimizer or optax.sgd(1.0)
 
@@ -68,7 +68,7 @@ def fedavg(
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "train_loss": fed.weighted_mean(losses, cohort.num_examples),
-            "local_steps": fed.mean(steps),
+            "local_steps": fed.weighted_mean(steps, cohort.num_examples),
         }
         return FedAvgState(params, opt_state, state.round + 1), metrics
 

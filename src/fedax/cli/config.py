@@ -87,6 +87,14 @@ class ExecutionConfig(_Section):
 
     strategy: Literal["auto", "vmap", "sequential", "unroll"] = "auto"
     local_steps: Literal["auto", "scan", "unroll"] = "auto"
+    devices: Any = Field("auto", description="'auto' or an integer >= 1")
+
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, value: Any) -> Any:
+        if value == "auto" or (type(value) is int and value >= 1):
+            return value
+        raise ValueError(f"must be 'auto' or an integer >= 1, got {value!r}")
 
 
 class Config(_Section):

@@ -115,11 +115,11 @@ def run_experiment(
     model = get_model(config.model)
     import jax
 
-    params = model.init(jax.random.key(config.seed))
+    params = jax.jit(model.init)(jax.random.key(config.seed))
     algorithm = build_algorithm(config, model.apply)
     evaluate = make_evaluator(model.apply, arrays["x_test"], arrays["y_test"])
     execution: Execution = choose_execution(
-        config.execution.strategy, config.execution.local_steps
+        config.execution.strategy, config.execution.local_steps, config.execution.devices
     )
     started = time.perf_counter()
     history = run(

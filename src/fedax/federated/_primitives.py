@@ -83,7 +83,12 @@ def _broadcast_transpose(ct, x, *, n):
 
 
 def _sum_transpose(ct, x):
-    return [broadcast_p.bind(ct, n=x.aval.shape[0])]
+    out = broadcast_p.bind(ct, n=x.aval.shape[0])
+    # Under an Explicit mesh the cotangent must carry the primal's sharding.
+    sharding = x.aval.sharding
+    if not sharding.mesh.empty and _spec(out.aval) != _spec(x.aval):
+        out = jax.sharding.reshard(out, sharding.spec)
+    return [out]
 
 
 def _broadcast_batch(args, dims, *, n):
@@ -251,24 +256,46 @@ def current_map_strategy() -> MapStrategy:
     return _MAP_STRATEGY.get()
 
 
+def _map_local(f: Callable[..., Any], xs: tuple, strategy: MapStrategy) -> Any:
+    if strategy == "vmap":
+        return jax.vmap(f)(*xs)
+    if strategy == "sequential":
+        return jax.lax.map(lambda args: f(*args), xs)
+    outs = [f(*jax.tree.map(lambda a, i=i: a[i], xs)) for i in range(_num_clients(xs))]
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *outs)
+
+
 def map_clients(f: Callable[..., Any], *xs: Any) -> Any:
     """Apply ``f`` to every client: ``out[i] = f(xs[0][i], xs[1][i], ...)``.
 
     Every argument is client-placed (leading clients axis). Server values must be placed
     with ``broadcast`` first, so that their communication and derivatives are federated.
     Derivatives are per client. Execution follows ``map_strategy``.
+
+    Under a mesh with a ``clients`` axis of size d, the clients are split into d equal
+    blocks, one per device (``shard_map``), and each device runs the strategy over its own
+    block; no data moves between devices. The number of clients must then be a multiple of
+    d (the runner pads cohorts with empty clients of weight zero).
     """
     if not xs:
         raise ValueError("map_clients needs at least one client-placed argument.")
     n = _num_clients(xs)
     strategy = current_map_strategy()
-    xs = _constrain_clients(xs)
-    if strategy == "vmap":
-        spmd = CLIENTS_AXIS if _clients_mesh() is not None else None
-        out = jax.vmap(f, spmd_axis_name=spmd)(*xs)
-    elif strategy == "sequential":
-        out = jax.lax.map(lambda args: f(*args), xs)
-    else:
-        outs = [f(*jax.tree.map(lambda a, i=i: a[i], xs)) for i in range(n)]
-        out = jax.tree.map(lambda *leaves: jnp.stack(leaves), *outs)
-    return _constrain_clients(out)
+    mesh = _clients_mesh()
+    if mesh is None:
+        return _map_local(f, xs, strategy)
+    devices = mesh.shape[CLIENTS_AXIS]
+    if n % devices:
+        raise ValueError(
+            f"{n} clients cannot be split evenly over the {devices} devices of mesh axis "
+            f"'{CLIENTS_AXIS}'; pad the cohort with empty clients (weight 0) to a multiple "
+            f"of {devices}, or use a mesh whose '{CLIENTS_AXIS}' axis divides the cohort."
+        )
+    spec = PartitionSpec(CLIENTS_AXIS)
+    local = jax.shard_map(
+        lambda *blocks: _map_local(f, blocks, strategy),
+        in_specs=spec,
+        out_specs=spec,
+        check_vma=False,
+    )
+    return local(*_constrain_clients(xs))

@@ -28,15 +28,37 @@ STEPS_STRATEGIES = ("scan", "unroll")
 
 
 class Execution(NamedTuple):
+    """``map`` and ``steps`` strategies, and ``devices``: how many devices share the
+    cohort (a mesh axis ``clients``; each device runs the strategy over its block)."""
+
     map: str = "vmap"
     steps: str = "scan"
+    devices: int = 1
 
     def validate(self) -> Execution:
         if self.map not in MAP_STRATEGIES:
             raise ValueError(f"execution map {self.map!r} is not one of {MAP_STRATEGIES}.")
         if self.steps not in STEPS_STRATEGIES:
             raise ValueError(f"execution steps {self.steps!r} is not one of {STEPS_STRATEGIES}.")
+        available = jax.device_count()
+        if not 1 <= self.devices <= available:
+            raise ValueError(
+                f"execution devices={self.devices}, but {available} device(s) are available; "
+                "on CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                "(the fedax command does this) to split the host into N devices."
+            )
         return self
+
+    def mesh(self) -> jax.sharding.Mesh | None:
+        """The 1-D mesh ``clients`` over the first ``devices`` devices (None for one)."""
+        if self.devices == 1:
+            return None
+        return jax.make_mesh(
+            (self.devices,),
+            (fed.CLIENTS_AXIS,),
+            axis_types=(jax.sharding.AxisType.Explicit,),
+            devices=jax.devices()[: self.devices],
+        )
 
 
 @contextlib.contextmanager
@@ -48,19 +70,26 @@ def use_execution(execution: Execution) -> Iterator[None]:
 
 
 def choose_execution(
-    map_choice: str = "auto", steps_choice: str = "auto", backend: str | None = None
+    map_choice: str = "auto",
+    steps_choice: str = "auto",
+    devices: int | str = "auto",
+    backend: str | None = None,
 ) -> Execution:
     """Resolve ``"auto"`` choices for the backend (default: JAX's default backend).
 
-    * GPU/TPU: ``vmap`` + ``scan``: the cohort is one batched program.
-    * CPU: ``sequential`` + ``scan``. Per-client matmuls at the paper's B = 10 are tiny,
-      and XLA:CPU runs a vmapped (batched) matmul and a vmapped convolution slower than the
-      same client programs one after another (measured on a 2-core machine: 2NN round at
-      E = 1, B = 10, 10 clients: 0.47 s sequential vs 0.65 s vmap; see ``benchmarks/``).
+    * GPU/TPU: ``vmap`` + ``scan`` on every device: the cohort is one batched program.
+    * CPU: ``sequential`` + ``scan``, with the cohort split over all host devices (one per
+      core when started by the fedax command). Per-client matmuls at the paper's B = 10
+      are tiny, XLA:CPU runs a vmapped (batched) matmul or convolution slower than the same
+      client programs one after another, and one single-threaded client program per core
+      beats one program using both cores (measured on a 2-core machine, 2NN, 10 clients,
+      E = 1, B = 10: vmap 0.65 s, sequential 0.47 s per round on one device; sequential
+      0.17 s on one device vs 0.10 s over two; see ``benchmarks/``).
     """
     backend = backend or jax.default_backend()
     default_map = "sequential" if backend == "cpu" else "vmap"
     return Execution(
         default_map if map_choice == "auto" else map_choice,
         "scan" if steps_choice == "auto" else steps_choice,
+        jax.device_count() if devices == "auto" else int(devices),
     ).validate()

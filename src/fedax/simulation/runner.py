@@ -9,6 +9,7 @@ The whole training set lives on the device once; a cohort travels as example ind
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from tqdm.auto import tqdm
 
 from fedax.algorithms import CohortBatches, FederatedAlgorithm
 from fedax.client import Batches
-from fedax.data import ClientData, make_cohort, num_local_steps, sample_clients
+from fedax.data import ClientData, Cohort, make_cohort, num_local_steps, sample_clients
 from fedax.simulation.execution import Execution, choose_execution, use_execution
 
 
@@ -105,6 +106,23 @@ def make_evaluator(
     return run
 
 
+def _maybe_mesh(mesh):
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def _pad_cohort(cohort: Cohort, multiple: int) -> Cohort:
+    """Pad with empty clients (no real steps, weight n_k = 0) to a multiple of ``multiple``,
+    so a cohort splits evenly over devices; padded clients change no aggregate."""
+    extra = -len(cohort.client_ids) % multiple
+    if extra == 0:
+        return cohort
+
+    def pad(a):
+        return np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)])
+
+    return Cohort(*(pad(a) for a in cohort))
+
+
 def run(
     algorithm: FederatedAlgorithm,
     init_params: Any,
@@ -152,25 +170,35 @@ def run(
     batch = int(sizes.max()) if math.isinf(batch_size) else int(batch_size)
     num_steps = num_local_steps(int(sizes.max()), local_epochs, batch)
 
+    mesh = execution.mesh()
+    pad_to = execution.devices
     x_all = jnp.asarray(train.x)
     y_all = jnp.asarray(train.y.astype(np.int32))
+    if mesh is not None:
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        x_all, y_all = jax.device_put((x_all, y_all), replicated)
 
     def device_round(state, idx, mask, num_examples, client_ids, key):
         batches = Batches(x_all[idx], y_all[idx], mask)
         return algorithm.round(state, CohortBatches(batches, num_examples, client_ids), key)
 
-    with use_execution(execution):
+    with use_execution(execution), _maybe_mesh(mesh):
         round_fn = jax.jit(device_round, donate_argnums=(0,))
         # Trace now, inside the strategy context: the compiled program captures it.
         base_key = jax.random.key(seed)
         state = algorithm.init(init_params, jax.random.fold_in(base_key, -1 & 0x7FFFFFFF))
+        # Commit the state where the round leaves it, so round 2 does not recompile.
+        home = replicated if mesh is not None else jax.devices()[0]
+        state = jax.device_put(state, home)
         history = History()
         start = time.perf_counter()
         bar = tqdm(range(rounds), desc="rounds", unit="round", disable=not progress)
         for t in bar:
             rng = np.random.default_rng([seed, t])
             ids = sample_clients(rng, train.num_clients, client_fraction)
-            cohort = make_cohort(train, ids, local_epochs, batch, rng, num_steps=num_steps)
+            cohort = _pad_cohort(
+                make_cohort(train, ids, local_epochs, batch, rng, num_steps=num_steps), pad_to
+            )
             key = jax.random.fold_in(base_key, t)
             state, metrics = round_fn(
                 state, cohort.idx, cohort.mask, cohort.num_examples, cohort.client_ids, key
