@@ -32,7 +32,8 @@ VALID = {
     "server": {"optimizer": "momentum", "lr": 1.0, "momentum": 0.5},
     "eval_every": 5,
     "target_accuracy": 0.97,
-    "execution": {"strategy": "vmap", "local_steps": "scan"},
+    "stop_at_target": False,
+    "execution": {"strategy": "vmap", "local_steps": "scan", "devices": 2},
 }
 
 
