@@ -197,3 +197,92 @@ def test_sample_clients():
         sample_clients(0, 100, 1.5)
     with pytest.raises(ValueError):
         sample_clients(0, 0, 0.1)
+
+
+# --- per-client epochs (stragglers) -----------------------------------------------------------
+
+
+def client_slice(cohort, c):
+    """Client c of a cohort, as a one-client cohort."""
+    return type(cohort)(*(field[c : c + 1] for field in cohort))
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 50, 1000])
+def test_per_client_epochs_contract(batch_size):
+    data = random_data()
+    ids = np.array([3, 0, 7, 11, 5])
+    epochs = np.array([1, 3, 2, 1, 4])
+    cohort = make_cohort(data, ids, epochs, batch_size, seed_or_rng=0, bucket=False)
+    steps = [
+        num_local_steps(int(data.sizes[k]), int(e), batch_size)
+        for k, e in zip(ids, epochs, strict=True)
+    ]
+    assert cohort.idx.shape == (5, max(steps), batch_size)
+    for c, (k, e) in enumerate(zip(ids, epochs, strict=True)):
+        # Client c alone satisfies the full contract with E = epochs[c] ...
+        check_cohort(data, client_slice(cohort, c), [k], int(e), batch_size)
+        # ... hence takes exactly epochs[c] * ceil(n_k / B) real steps.
+        assert (cohort.mask[c].sum(axis=1) > 0).sum() == steps[c]
+
+
+def test_per_client_epochs_full_batch():
+    data = random_data(seed=2)
+    ids = np.array([1, 2, 4])
+    epochs = [2, 1, 3]
+    cohort = make_cohort(data, ids, epochs, None, seed_or_rng=1)
+    assert cohort.idx.shape == (3, 3, data.sizes[ids].max())
+    for c, (k, e) in enumerate(zip(ids, epochs, strict=True)):
+        n = int(data.sizes[k])
+        real = cohort.mask[c].sum(axis=1)
+        np.testing.assert_array_equal(real, [n] * e + [0] * (3 - e))
+        for step in range(e):
+            np.testing.assert_array_equal(
+                np.sort(cohort.idx[c, step, :n]), np.sort(data.client_indices(k))
+            )
+
+
+def test_uniform_per_client_epochs_equal_int_epochs():
+    data = random_data()
+    ids = np.array([1, 4, 9, 2])
+    for batch_size in [10, None]:
+        a = make_cohort(data, ids, 3, batch_size, seed_or_rng=42)
+        for epochs in [np.full(4, 3), [3, 3, 3, 3], np.full(4, 3, np.int32), np.int64(3)]:
+            b = make_cohort(data, ids, epochs, batch_size, seed_or_rng=42)
+            for x, y in zip(a, b, strict=True):
+                np.testing.assert_array_equal(x, y)
+    b = make_cohort(data, ids, np.array(3), 10, seed_or_rng=42)  # 0-d array: an int
+    np.testing.assert_array_equal(b.idx, make_cohort(data, ids, 3, 10, seed_or_rng=42).idx)
+
+
+def test_per_client_epochs_step_budget_and_randomness():
+    data = random_data()
+    ids = np.array([6, 2, 8])
+    epochs = np.array([2, 5, 1])
+    n = data.sizes[ids]
+    needed = int((epochs * -(-n // 4)).max())
+    cohort = make_cohort(data, ids, epochs, 4, seed_or_rng=9)
+    assert cohort.idx.shape[1] == bucket_size(needed)
+    assert make_cohort(data, ids, epochs, 4, 9, bucket=False).idx.shape[1] == needed
+    with pytest.raises(ValueError, match="num_steps"):
+        make_cohort(data, ids, epochs, 4, 9, num_steps=needed - 1)
+    # Same stream as int epochs: the first client matches a one-client cohort with its E.
+    first = make_cohort(data, ids[:1], int(epochs[0]), 4, seed_or_rng=9, bucket=False)
+    steps = first.idx.shape[1]
+    np.testing.assert_array_equal(cohort.idx[0, :steps], first.idx[0])
+    assert cohort.mask[0, steps:].sum() == 0
+
+
+def test_per_client_epochs_errors():
+    data = random_data()
+    ids = [0, 1, 2]
+    for bad in [
+        [1, 2],  # wrong length
+        [1, 0, 2],  # zero epochs
+        [1, -1, 2],
+        [1.0, 2.0, 3.0],  # not ints
+        np.array([True, True, True]),
+        np.ones((3, 1), np.int64),
+        np.array(0),
+    ]:
+        with pytest.raises(ValueError, match="epochs"):
+            make_cohort(data, ids, bad, 10, 0)

@@ -15,7 +15,6 @@ with ``steps_strategy``; the result is the same.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, NamedTuple
 
@@ -24,9 +23,7 @@ import jax.numpy as jnp
 import optax
 
 StepsStrategy = Literal["scan", "unroll"]
-_STEPS: contextvars.ContextVar[StepsStrategy] = contextvars.ContextVar(
-    "fedax_steps_strategy", default="scan"
-)
+_STEPS = jax.make_user_context(default_value="scan")  # jit-cache sensitive
 
 
 class Batches(NamedTuple):
@@ -46,15 +43,12 @@ def steps_strategy(strategy: StepsStrategy) -> Iterator[None]:
     """Run local-step loops traced in this context as ``"scan"`` or ``"unroll"``."""
     if strategy not in ("scan", "unroll"):
         raise ValueError(f"unknown local-steps strategy {strategy!r}; allowed: scan, unroll.")
-    token = _STEPS.set(strategy)
-    try:
+    with _STEPS(strategy):
         yield
-    finally:
-        _STEPS.reset(token)
 
 
 def current_steps_strategy() -> StepsStrategy:
-    return _STEPS.get()
+    return _STEPS.value
 
 
 class LocalResult(NamedTuple):

@@ -9,21 +9,28 @@ from fedax.data.client_data import (
     num_local_steps,
     sample_clients,
 )
+from fedax.data.fashion_mnist import fetch_fashion_mnist, load_fashion_mnist
 from fedax.data.mnist import fetch_mnist, load_mnist
-from fedax.data.partition import iid, pathological, unbalanced
+from fedax.data.partition import dirichlet, iid, pathological, similarity, unbalanced
+from fedax.data.synthetic import synthetic
 
 __all__ = [
     "ClientData",
     "Cohort",
     "DataUnavailableError",
     "bucket_size",
+    "dirichlet",
+    "fetch_fashion_mnist",
     "fetch_mnist",
     "iid",
+    "load_fashion_mnist",
     "load_mnist",
     "make_cohort",
     "num_local_steps",
     "pathological",
     "resolve_cache_dir",
     "sample_clients",
+    "similarity",
+    "synthetic",
     "unbalanced",
 ]

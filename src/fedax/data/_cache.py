@@ -6,7 +6,8 @@ ordered list of :class:`Source` objects, verifies every file before it is writte
 and raises :class:`DataUnavailableError` describing every attempt when no source delivers.
 
 Nothing here is specific to one data set: MNIST, Fashion-MNIST or Shakespeare sources are built
-from :func:`url_source`, :func:`npm_source` and :func:`directory_source`.
+from :func:`url_source`, :func:`npm_source`, :func:`directory_source` and
+:func:`local_gzip_source`.
 """
 
 from __future__ import annotations
@@ -243,6 +244,28 @@ def directory_source(directory: str | os.PathLike) -> Source:
         return found
 
     return Source(f"directory {directory}", fetch)
+
+
+def local_gzip_source(directory: str | os.PathLike) -> Source:
+    """Files gunzipped from ``<directory>/<name>.gz`` (e.g. a distribution's data package).
+
+    Like :func:`directory_source`, it returns the files it finds and fails only when it finds
+    none; the caller verifies each decompressed file against its pinned SHA-256.
+    """
+    directory = Path(directory)
+
+    def fetch(names: Sequence[str]) -> dict[str, bytes]:
+        found = {}
+        for name in names:
+            path = directory / f"{name}.gz"
+            if path.is_file():
+                found[name] = gzip.decompress(path.read_bytes())
+        if not found:
+            wanted = ", ".join(f"{name}.gz" for name in names)
+            raise FileNotFoundError(f"none of {wanted} in {directory}")
+        return found
+
+    return Source(f"gzipped files in {directory}", fetch)
 
 
 def read_tar_members(path: str | os.PathLike, members: Mapping[str, str]) -> dict[str, bytes]:

@@ -3,8 +3,8 @@
 :class:`ClientData` stores every example once (flat ``x``/``y``) plus each client's example
 indices. :func:`make_cohort` turns a round's sampled clients into host-side index and mask
 arrays of shape ``[C, S, B]`` (clients, local steps, batch): client k takes exactly
-``E * ceil(n_k / B)`` real steps; later steps and the tail of each epoch's last batch are
-padding with mask 0.
+``E * ceil(n_k / B)`` real steps (``E_k`` with per-client epochs, e.g. for stragglers); later
+steps and the tail of each epoch's last batch are padding with mask 0.
 """
 
 from __future__ import annotations
@@ -118,6 +118,25 @@ def _check_positive_int(value, name: str) -> int:
     return int(value)
 
 
+def _check_epochs(epochs, num_clients: int) -> np.ndarray:
+    """int64 ``[C]`` epochs per client from an int or a per-client array; all must be >= 1."""
+    if np.ndim(epochs) == 0:
+        if isinstance(epochs, np.ndarray):
+            epochs = epochs.item()
+        return np.full(num_clients, _check_positive_int(epochs, "epochs"), np.int64)
+    array = np.asarray(epochs)
+    if (
+        array.shape != (num_clients,)
+        or not np.issubdtype(array.dtype, np.integer)
+        or np.any(array < 1)
+    ):
+        raise ValueError(
+            f"epochs must be a positive int or {num_clients} positive ints (one per client), "
+            f"got {epochs!r}"
+        )
+    return array.astype(np.int64)
+
+
 def num_local_steps(n_k: int, epochs: int, batch_size: int | float | None) -> int:
     """Local steps of a client with ``n_k`` examples: ``E * ceil(n_k / B)``.
 
@@ -147,7 +166,7 @@ def bucket_size(n: int) -> int:
 def make_cohort(
     data: ClientData,
     client_ids,
-    epochs: int,
+    epochs: int | np.ndarray,
     batch_size: int | float | None,
     seed_or_rng: int | np.random.Generator,
     num_steps: int | None = None,
@@ -166,10 +185,16 @@ def make_cohort(
     order, so the cohort is a pure function of (data, client_ids, E, B, seed); the real entries
     do not depend on ``num_steps``/``bucket``/``full_batch_size``.
 
+    Per-client epochs (``epochs`` an int array ``[C]``, aligned with ``client_ids``) simulate
+    stragglers that do less local work (FedProx's "x ~ U[1, E] epochs"): client c then takes
+    ``epochs[c] * ceil(n_k / B)`` real steps, and S covers the largest. Randomness is
+    consumed as with an int (one permutation per client and epoch, client by client), so an
+    array whose entries all equal E gives exactly the cohort of ``epochs=E``.
+
     Args:
       data: The federated data set.
       client_ids: ``[C]`` ids of the round's clients.
-      epochs: E >= 1.
+      epochs: E >= 1, or an int array ``[C]`` of per-client E_c >= 1.
       batch_size: B, a positive int (it may exceed some or all n_k), or None / ``math.inf``.
       seed_or_rng: An int seed or a ``np.random.Generator`` (which is advanced).
       num_steps: Fixed S; must be at least the largest step count in the cohort.
@@ -183,11 +208,11 @@ def make_cohort(
       ValueError: Bad E, B, client ids, or a ``num_steps``/``full_batch_size`` too small.
     """
     rng = np.random.default_rng(seed_or_rng)
-    epochs = _check_positive_int(epochs, "epochs")
     full = _is_full_batch(batch_size)
     ids = np.asarray(client_ids)
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"client_ids must be a non-empty 1-D int array, got {ids!r}")
+    epochs = _check_epochs(epochs, len(ids))
     if ids.min() < 0 or ids.max() >= data.num_clients:
         raise ValueError(f"client_ids must lie in [0, {data.num_clients})")
     if len(data.x) > np.iinfo(np.int32).max:
@@ -207,7 +232,7 @@ def make_cohort(
         batch = int(batch_size)
         steps_per_epoch = -(-sizes // batch)
 
-    needed = max(int(epochs * steps_per_epoch.max()), 1)
+    needed = max(int((epochs * steps_per_epoch).max()), 1)
     if num_steps is not None:
         if _check_positive_int(num_steps, "num_steps") < needed:
             raise ValueError(f"num_steps={num_steps} < {needed} steps needed by the cohort")
@@ -218,17 +243,17 @@ def make_cohort(
     idx = np.zeros((len(ids), total_steps, batch), np.int32)
     mask = np.zeros((len(ids), total_steps, batch), np.float32)
     for c, k in enumerate(ids):
-        n, spe = int(sizes[c]), int(steps_per_epoch[c])
+        n, spe, e = int(sizes[c]), int(steps_per_epoch[c]), int(epochs[c])
         if n == 0:
             continue
-        perms = rng.permuted(np.broadcast_to(np.arange(n), (epochs, n)), axis=1)
+        perms = rng.permuted(np.broadcast_to(np.arange(n), (e, n)), axis=1)
         width = spe * batch
-        rows_idx = np.zeros((epochs, width), np.int32)
+        rows_idx = np.zeros((e, width), np.int32)
         rows_idx[:, :n] = data.client_indices(int(k))[perms]
-        rows_mask = np.zeros((epochs, width), np.float32)
+        rows_mask = np.zeros((e, width), np.float32)
         rows_mask[:, :n] = 1.0
-        idx[c, : epochs * spe] = rows_idx.reshape(epochs * spe, batch)
-        mask[c, : epochs * spe] = rows_mask.reshape(epochs * spe, batch)
+        idx[c, : e * spe] = rows_idx.reshape(e * spe, batch)
+        mask[c, : e * spe] = rows_mask.reshape(e * spe, batch)
     return Cohort(ids.astype(np.int32), idx, mask, sizes.astype(np.float32))
 
 

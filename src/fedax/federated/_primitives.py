@@ -30,7 +30,6 @@ own SPMD partitioner with no change to the program.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -51,11 +50,13 @@ sum_p = Primitive("federated_sum")
 
 
 def _broadcast_impl(x, *, n):
+    x = jnp.asarray(x)
     return jnp.broadcast_to(x[None], (n, *x.shape))
 
 
 def _sum_impl(x):
-    return jnp.sum(x, axis=0)
+    x = jnp.asarray(x)
+    return jnp.sum(x, axis=0, dtype=x.dtype)
 
 
 def _spec(aval) -> tuple:
@@ -128,20 +129,37 @@ def _clients_mesh():
     return None
 
 
+def _check_divisible(n: int, mesh) -> None:
+    devices = mesh.shape[CLIENTS_AXIS]
+    if n % devices:
+        raise ValueError(
+            f"{n} clients cannot be split evenly over the {devices} devices of mesh axis "
+            f"'{CLIENTS_AXIS}'; pad the cohort with empty clients (weight 0) to a multiple "
+            f"of {devices}, or use a mesh whose '{CLIENTS_AXIS}' axis divides the cohort."
+        )
+
+
 def _constrain_clients(tree):
     """Shard the leading axis of every leaf over the mesh axis 'clients', if present.
 
-    With an ``Auto`` axis this is a sharding constraint for the partitioner; with an
-    ``Explicit`` axis (the default of ``jax.make_mesh``) the value is resharded.
+    With an ``Auto`` axis this is a sharding constraint for the partitioner (or a
+    ``device_put`` for a concrete array outside ``jit``); with an ``Explicit`` axis (the
+    default of ``jax.make_mesh``) the value is resharded.
     """
     mesh = _clients_mesh()
     if mesh is None:
         return tree
-    explicit = mesh._name_to_type[CLIENTS_AXIS] == jax.sharding.AxisType.Explicit
+    _check_divisible(_num_clients(tree), mesh)
     spec = PartitionSpec(CLIENTS_AXIS)
-    if explicit:
+    if mesh._name_to_type[CLIENTS_AXIS] == jax.sharding.AxisType.Explicit:
         return jax.tree.map(lambda a: jax.sharding.reshard(a, spec), tree)
-    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, spec), tree)
+
+    def constrain(a):
+        if isinstance(a, jax.core.Tracer):
+            return jax.lax.with_sharding_constraint(a, spec)
+        return jax.device_put(a, jax.sharding.NamedSharding(jax.sharding.get_mesh(), spec))
+
+    return jax.tree.map(constrain, tree)
 
 
 # --------------------------------------------------------------------------------------
@@ -185,7 +203,18 @@ def sum(x: Any) -> Any:  # noqa: A001 - the federated sum; shadows the builtin i
     Reverse-mode derivative: ``broadcast``; forward mode: ``sum`` of the tangent.
     """
     _num_clients(x)
-    return jax.tree.map(sum_p.bind, x)
+
+    def leaf_sum(a):
+        a = jnp.asarray(a)
+        # promote like jnp.sum: bool and narrow integers accumulate in the default int
+        if a.dtype == jnp.bool_ or (
+            jnp.issubdtype(a.dtype, jnp.integer) and jnp.iinfo(a.dtype).bits < 32
+        ):
+            unsigned = jnp.issubdtype(a.dtype, jnp.unsignedinteger)
+            a = a.astype(jnp.uint32 if unsigned else jnp.int32)
+        return sum_p.bind(a)
+
+    return jax.tree.map(leaf_sum, x)
 
 
 def mean(x: Any) -> Any:
@@ -210,6 +239,10 @@ def weighted_mean(x: Any, weights: jax.Array) -> Any:
         )
 
     def scale(leaf):
+        leaf = jnp.asarray(leaf)
+        dtype = jnp.promote_types(jnp.result_type(leaf, weights), jnp.float32)
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            leaf = leaf.astype(dtype)  # integer values with fractional weights
         w = weights.reshape((n,) + (1,) * (leaf.ndim - 1)).astype(leaf.dtype)
         return leaf * w
 
@@ -222,9 +255,9 @@ def weighted_mean(x: Any, weights: jax.Array) -> Any:
 # --------------------------------------------------------------------------------------
 
 MapStrategy = Literal["vmap", "sequential", "unroll"]
-_MAP_STRATEGY: contextvars.ContextVar[MapStrategy] = contextvars.ContextVar(
-    "fedax_map_strategy", default="vmap"
-)
+# A jit-cache-sensitive context: a function traced under one strategy is retraced under
+# another, never silently reused.
+_MAP_STRATEGY = jax.make_user_context(default_value="vmap")
 _MAP_STRATEGIES = ("vmap", "sequential", "unroll")
 
 
@@ -241,19 +274,16 @@ def map_strategy(strategy: MapStrategy) -> Iterator[None]:
 
     All strategies compute the same function; only speed and memory differ. The runner
     picks one per backend and model; algorithms never do. A jitted function captures the
-    strategy in force when it was traced.
+    strategy; tracing caches are keyed on it, so a change of strategy retraces.
     """
     if strategy not in _MAP_STRATEGIES:
         raise ValueError(f"unknown map strategy {strategy!r}; allowed: {_MAP_STRATEGIES}.")
-    token = _MAP_STRATEGY.set(strategy)
-    try:
+    with _MAP_STRATEGY(strategy):
         yield
-    finally:
-        _MAP_STRATEGY.reset(token)
 
 
 def current_map_strategy() -> MapStrategy:
-    return _MAP_STRATEGY.get()
+    return _MAP_STRATEGY.value
 
 
 def _map_local(f: Callable[..., Any], xs: tuple, strategy: MapStrategy) -> Any:
@@ -284,13 +314,7 @@ def map_clients(f: Callable[..., Any], *xs: Any) -> Any:
     mesh = _clients_mesh()
     if mesh is None:
         return _map_local(f, xs, strategy)
-    devices = mesh.shape[CLIENTS_AXIS]
-    if n % devices:
-        raise ValueError(
-            f"{n} clients cannot be split evenly over the {devices} devices of mesh axis "
-            f"'{CLIENTS_AXIS}'; pad the cohort with empty clients (weight 0) to a multiple "
-            f"of {devices}, or use a mesh whose '{CLIENTS_AXIS}' axis divides the cohort."
-        )
+    _check_divisible(n, mesh)
     spec = PartitionSpec(CLIENTS_AXIS)
     local = jax.shard_map(
         lambda *blocks: _map_local(f, blocks, strategy),

@@ -1,0 +1,21 @@
+"""Test configuration: 8 virtual CPU devices, float32 by default.
+
+The XLA flag must be set before jax is imported anywhere, so it comes first.
+"""
+
+import os
+
+_DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
+if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
+
+
+@pytest.fixture
+def mesh():
+    """An 8-device mesh with one axis named 'clients' (jax's default axis types)."""
+    return jax.make_mesh((8,), ("clients",))
