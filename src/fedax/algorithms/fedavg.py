@@ -8,10 +8,15 @@ returns w^k_{t+1}; with m_t = Σ_{k∈S_t} n_k the server forms the pseudo-gradi
 
 and applies a server optimizer to it (Reddi et al. 2021's FedOpt form). With server SGD at
 learning rate 1 this is exactly w_{t+1} = Σ (n_k/m_t) w^k_{t+1}, plain FedAvg.
+
+The optional ``client_objective`` changes what the clients minimize while keeping everything
+else (broadcast, masked local steps, aggregation, server optimizer): FedProx is FedAvg whose
+clients minimize F_k(w) + (μ/2)‖w − w_t‖² (``fedax.algorithms.fedprox``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -33,6 +38,7 @@ def fedavg(
     loss_fn: LossFn,
     client_optimizer: optax.GradientTransformation,
     server_optimizer: optax.GradientTransformation | None = None,
+    client_objective: Callable[[LossFn, Any], LossFn] | None = None,
 ) -> FederatedAlgorithm:
     """FedAvg with an optax client optimizer and an optax server optimizer.
 
@@ -40,10 +46,16 @@ def fedavg(
       loss_fn: ``loss_fn(params, batch) -> scalar``, the masked mean loss of one batch.
       client_optimizer: local optimizer, e.g. ``optax.sgd(client_lr)`` (the paper's).
       server_optimizer: applied to the pseudo-gradient Δ_t; default ``optax.sgd(1.0)``.
+      client_objective: ``client_objective(loss_fn, server_params) -> LossFn``, the loss each
+        client minimizes in its local steps, given the round's server model w_t as received
+        by the client; default: ``loss_fn`` itself. It is traced inside ``map_clients``, so
+        ``server_params`` is that client's copy of the broadcast model (derivatives flow
+        through it).
 
     Returns:
       A ``FederatedAlgorithm``. Its round metrics are ``train_loss`` (n_k-weighted mean of
-      the clients' mean local loss) and ``local_steps`` (n_k-weighted mean of real local steps).
+      the clients' mean local objective, i.e. ``loss_fn`` unless ``client_objective`` is
+      given) and ``local_steps`` (n_k-weighted mean of real local steps).
     """
     server_optimizer = server_optimizer or optax.sgd(1.0)
 
@@ -52,7 +64,8 @@ def fedavg(
         return FedAvgState(params, server_optimizer.init(params), jnp.zeros((), jnp.int32))
 
     def client_update(params, batches: Batches):
-        result = local_train(loss_fn, params, batches, client_optimizer)
+        objective = loss_fn if client_objective is None else client_objective(loss_fn, params)
+        result = local_train(objective, params, batches, client_optimizer)
         delta = jax.tree.map(jnp.subtract, params, result.params)
         return delta, result.loss, result.num_steps
 
