@@ -210,3 +210,61 @@ def test_learned_server_lr_recovers_from_a_poor_start():
             state, metrics = step(state, HyperCohort(cohort(C), cohort(C)), None)
             lrs.append(float(metrics["server_lr"]))
         assert lrs[-1] > 3 * lrs[0], (mode, lrs)
+
+
+def test_client_weighting_at_zero_is_fedavg_and_its_hypergradient_is_exact(setup):
+    from fedax.hyper import weighting
+
+    params, cohorts, holdout, _ = setup
+    one = jax.tree.map(lambda a: a[0], cohorts)
+    with jax.enable_x64(True):
+        plain = fedavg(loss_fn, optax.sgd(0.4))
+        s0, _ = plain.round(plain.init(params, None), one, None)
+
+        def after(theta):
+            alg = fedavg(loss_fn, optax.sgd(0.4), client_weights=weighting(theta))
+            s, _ = alg.round(alg.init(params, None), one, None)
+            return s, federated_loss(loss_fn, s.params, holdout)
+
+        s1, _ = after(jnp.zeros(2))
+        for a, b in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s1.params), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-12)
+        theta = jnp.array([0.3, -0.2])
+        g = jax.grad(lambda t: after(t)[1])(theta)
+        eps = 1e-6
+        for i in range(2):
+            e = jnp.zeros(2).at[i].set(eps)
+            fd = (after(theta + e)[1] - after(theta - e)[1]) / (2 * eps)
+            np.testing.assert_allclose(g[i], fd, rtol=1e-6, atol=1e-10)
+
+
+def test_learned_client_weights_down_weight_mislabelled_clients():
+    """Half the clients have random labels; hypergradient descent on the holdout loss of
+    clean clients learns a negative weight on the local-loss feature."""
+    from fedax.hyper import learned_client_weights, weighting
+
+    rng = np.random.default_rng(3)
+    params = {"w": jnp.zeros((D, K), jnp.float32), "b": jnp.zeros(K, jnp.float32)}
+    w_true = rng.normal(size=(D, K)) * 2
+
+    def cohort(clients, noisy):
+        x = rng.normal(size=(clients, S, B, D)).astype(np.float32)
+        y = np.argmax(x @ w_true, axis=-1).astype(np.int32)
+        y[:noisy] = rng.integers(0, K, size=y[:noisy].shape)
+        mask = np.ones((clients, S, B), np.float32)
+        return CohortBatches(Batches(x, y, mask), np.full(clients, 20.0, np.float32),
+                             np.arange(clients, dtype=np.int32))
+
+    alg = learned_client_weights(
+        lambda w: fedavg(loss_fn, optax.sgd(0.3), client_weights=w), loss_fn, optax.adam(0.1)
+    )
+    state = alg.init(params, None)
+    step = jax.jit(alg.round)
+    for _ in range(25):
+        state, _ = step(state, HyperCohort(cohort(C, C // 2), cohort(C, 0)), None)
+    theta = state.hparams
+    assert theta[1] < -0.5, theta  # higher local loss -> lower weight
+    train = cohort(C, C // 2)
+    losses = jnp.array([1.0] * (C // 2) + [0.3] * (C - C // 2))  # noisy clients lose more
+    weights = weighting(theta)(train.num_examples, losses)
+    assert float(jnp.max(weights[: C // 2])) < float(jnp.min(weights[C // 2 :]))

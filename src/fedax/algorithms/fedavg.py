@@ -39,6 +39,7 @@ def fedavg(
     client_optimizer: optax.GradientTransformation,
     server_optimizer: optax.GradientTransformation | None = None,
     client_objective: Callable[[LossFn, Any], LossFn] | None = None,
+    client_weights: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
 ) -> FederatedAlgorithm:
     """FedAvg with an optax client optimizer and an optax server optimizer.
 
@@ -51,6 +52,11 @@ def fedavg(
         by the client; default: ``loss_fn`` itself. It is traced inside ``map_clients``, so
         ``server_params`` is that client's copy of the broadcast model (derivatives flow
         through it).
+      client_weights: ``client_weights(num_examples, local_losses) -> weights``, all three
+        client-placed ``[C]``: the weights of the weighted mean of client updates; default
+        n_k (the paper's). It must be written with the placement primitives (e.g.
+        ``map_clients`` with a broadcast parameter) and give weight 0 to clients with
+        n_k = 0 (padding). ``fedax.hyper.learned_client_weights`` learns such a function.
 
     Returns:
       A ``FederatedAlgorithm``. Its round metrics are ``train_loss`` (n_k-weighted mean of
@@ -74,7 +80,12 @@ def fedavg(
         num_clients = cohort.num_examples.shape[0]
         at_clients = fed.broadcast(state.params, num_clients)
         deltas, losses, steps = fed.map_clients(client_update, at_clients, cohort.batches)
-        pseudo_grad = fed.weighted_mean(deltas, cohort.num_examples)
+        weights = (
+            cohort.num_examples
+            if client_weights is None
+            else client_weights(cohort.num_examples, losses)
+        )
+        pseudo_grad = fed.weighted_mean(deltas, weights)
         updates, opt_state = server_optimizer.update(
             pseudo_grad, state.server_opt_state, state.params
         )
