@@ -33,6 +33,7 @@ VALID = {
     "eval_every": 5,
     "target_accuracy": 0.97,
     "stop_at_target": False,
+    "checkpoint_every": 10,
     "execution": {"strategy": "vmap", "local_steps": "scan", "devices": 2},
 }
 
@@ -212,7 +213,7 @@ def test_example_configs_validate():
     assert (fedavg.rounds, fedavg.eval_every, fedavg.target_accuracy) == (1000, 5, 0.97)
     fedsgd = load_config(configs / "mnist_2nn_noniid_fedsgd.yaml")
     assert (fedsgd.algorithm, fedsgd.local_epochs, fedsgd.batch_size) == ("fedsgd", 1, math.inf)
-    assert fedsgd.rounds == 3000
+    assert (fedsgd.rounds, fedsgd.eval_every, fedsgd.client_lr) == (2000, 10, 0.5)
 
 
 def test_model_names_match_the_model_registry():

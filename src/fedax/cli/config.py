@@ -9,6 +9,9 @@ B = ``batch_size`` (``inf``: the whole local data set is one batch). FedSGD is F
 E = 1 and B = inf, so for ``algorithm: fedsgd`` those two keys may be omitted (they are
 filled in) or set to exactly those values; anything else is an error. For ``fedavg`` both
 are required.
+
+``checkpoint_every: k`` saves a checkpoint every k rounds into ``OUT/checkpoints/`` (0, the
+default, saves none); ``fedax run ... --resume`` continues from the newest one.
 """
 
 from __future__ import annotations
@@ -115,6 +118,7 @@ class Config(_Section):
     eval_every: int = Field(1, ge=1)
     target_accuracy: Number | None = Field(None, gt=0, le=1)
     stop_at_target: bool = False
+    checkpoint_every: int = Field(0, ge=0)
     execution: ExecutionConfig = ExecutionConfig()
 
     @model_validator(mode="before")

@@ -1,7 +1,9 @@
 """Build and run one experiment from a validated config; write its outputs.
 
 Outputs in ``out_dir``: ``metrics.jsonl`` (one JSON object per evaluation), ``summary.json``
-(config, seed, final accuracy, rounds to target) and ``accuracy.png``.
+(config, seed, final accuracy, rounds to target) and ``accuracy.png``; with
+``checkpoint_every > 0``, ``checkpoints/ckpt_<round>.msgpack`` (the last two), from which
+``resume=True`` continues: ``metrics.jsonl`` then ends up as an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -96,6 +98,10 @@ class JsonlWriter:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def on_resume(self, records: list[dict[str, Any]]) -> None:
+        """Rewrite the file with the checkpoint's records (drops rounds to be recomputed)."""
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
 
 def run_experiment(
     config: Config,
@@ -103,8 +109,12 @@ def run_experiment(
     *,
     progress: bool = True,
     label: str | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
-    """Run ``config`` and write ``metrics.jsonl``, ``summary.json`` and ``accuracy.png``."""
+    """Run ``config`` and write ``metrics.jsonl``, ``summary.json`` and ``accuracy.png``.
+
+    With ``resume``, continue from the newest valid checkpoint in ``out_dir/checkpoints``
+    (the config must be the same, ``checkpoint_every`` aside; else ``ConfigError``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     arrays = load_dataset(config.dataset)
@@ -138,6 +148,13 @@ def run_experiment(
         execution=execution,
         callbacks=[JsonlWriter(out / "metrics.jsonl")],
         progress=progress,
+        checkpoint_dir=out / "checkpoints",
+        checkpoint_every=config.checkpoint_every,
+        resume=resume,
+        # The algorithm, model and data choices the runner cannot see. How often to save
+        # does not change the run, so a resumed run may save more or less often.
+        fingerprint={k: v for k, v in config_to_dict(config).items()
+                     if k != "checkpoint_every"},
     )
     wall = time.perf_counter() - started
     target = config.target_accuracy
@@ -153,6 +170,7 @@ def run_experiment(
         "rounds_to_target": None if reached is None else round(reached, 1),
         "wall_time_s": round(wall, 2),
         "execution": execution._asdict(),
+        "resumed_from_round": history.resumed_from,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_curves({label or config.algorithm: history}, out / "accuracy.png", target)

@@ -37,10 +37,15 @@ def resolve_config(name_or_path: str) -> Path:
 
 def cmd_run(args) -> int:
     from fedax.cli.experiment import run_experiment
+    from fedax.simulation.checkpoint import CheckpointError
 
     config = load_config(resolve_config(args.config), args.set)
     out = Path(args.out or f"runs/{Path(args.config).stem}")
-    summary = run_experiment(config, out, progress=not args.no_progress)
+    try:
+        summary = run_experiment(config, out, progress=not args.no_progress,
+                                 resume=args.resume)
+    except CheckpointError as err:
+        raise ConfigError(f"cannot resume from {out / 'checkpoints'}: {err}") from None
     print(json.dumps({k: summary[k] for k in (
         "rounds_run", "final_test_accuracy", "best_test_accuracy", "rounds_to_target",
         "wall_time_s")}, indent=2))
@@ -108,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a config key (dotted keys for nested sections)")
     run.add_argument("--out", help="output directory (default runs/<config name>)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument(
+        "--resume", action="store_true",
+        help="continue the run in --out from its newest valid checkpoint (OUT/checkpoints/, "
+             "written every checkpoint_every rounds; set e.g. --set checkpoint_every=50 "
+             "when starting the run). Same config and --set values required; the result "
+             "(metrics.jsonl, final model) is identical to an uninterrupted run's, elapsed_s "
+             "aside. Without a checkpoint, the run starts from round 0",
+    )
     run.set_defaults(func=cmd_run)
 
     demo = sub.add_parser("demo", help="FedAvg vs FedSGD, 2NN, non-IID MNIST (Table 1)")

@@ -1,14 +1,28 @@
-"""Simulation: cohorts, compiled rounds, evaluation, rounds to target."""
+"""Simulation: cohorts, compiled rounds, evaluation, rounds to target, checkpoints."""
 
+from fedax.simulation.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointWarning,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fedax.simulation.execution import Execution, choose_execution, use_execution
 from fedax.simulation.runner import History, make_evaluator, rounds_to_target, run
 
 __all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointWarning",
     "Execution",
     "History",
     "choose_execution",
+    "latest_checkpoint",
+    "load_checkpoint",
     "make_evaluator",
     "rounds_to_target",
     "run",
+    "save_checkpoint",
     "use_execution",
 ]

@@ -5,14 +5,21 @@ shuffles from ``np.random.default_rng([seed, t])`` and its JAX key from
 ``fold_in(key(seed), t)``, so any round can be reproduced (and a run resumed) on its own.
 The whole training set lives on the device once; a cohort travels as example indices
 ``[C, S, B]`` plus masks, and the gather happens inside the compiled round.
+
+With ``checkpoint_dir`` and ``checkpoint_every``, the state and the records so far are saved
+every k rounds (see ``fedax.simulation.checkpoint``), and ``resume=True`` continues from the
+newest valid checkpoint: the resumed run's records and final state are bit-identical to an
+uninterrupted run's (``elapsed_s`` aside).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +31,7 @@ from tqdm.auto import tqdm
 from fedax.algorithms import CohortBatches, FederatedAlgorithm
 from fedax.client import Batches
 from fedax.data import ClientData, Cohort, make_cohort, num_local_steps, sample_clients
+from fedax.simulation import checkpoint as ckpt
 from fedax.simulation.execution import Execution, choose_execution, use_execution
 
 
@@ -51,10 +59,14 @@ def rounds_to_target(
 
 @dataclass
 class History:
-    """Evaluation records (one dict per evaluation) and the final state."""
+    """Evaluation records (one dict per evaluation) and the final state.
+
+    ``resumed_from`` is the round of the checkpoint a resumed run started from (else None).
+    """
 
     records: list[dict[str, Any]] = field(default_factory=list)
     state: Any = None
+    resumed_from: int | None = None
 
     def column(self, key: str) -> list[Any]:
         return [r[key] for r in self.records]
@@ -64,6 +76,10 @@ class History:
 
 
 Callback = Callable[[dict[str, Any]], None]
+"""Called with each evaluation record. A callback may also have an ``on_resume(records)``
+method: a resumed run calls it once, before its first round, with the records restored
+from the checkpoint (e.g. to rewrite a metrics log that may hold records of rounds after
+the checkpoint, which the resumed run recomputes)."""
 
 
 def make_evaluator(
@@ -86,8 +102,10 @@ def make_evaluator(
     xs = xs.reshape(chunks, chunk, *x.shape[1:])
     ys, mask = ys.reshape(chunks, chunk), mask.reshape(chunks, chunk)
 
+    # The test set is an argument, not a closed-over constant: XLA compiles a program with
+    # a large embedded constant far more slowly.
     @jax.jit
-    def evaluate(params):
+    def evaluate(params, xs, ys, mask):
         def body(carry, batch):
             bx, by, bm = batch
             logits = apply_fn(params, bx)
@@ -100,7 +118,7 @@ def make_evaluator(
         return correct / n, nll / n
 
     def run(params):
-        acc, loss = evaluate(params)
+        acc, loss = evaluate(params, xs, ys, mask)
         return float(acc), float(loss)
 
     return run
@@ -123,6 +141,34 @@ def _pad_cohort(cohort: Cohort, multiple: int) -> Cohort:
     return Cohort(*(pad(a) for a in cohort))
 
 
+def run_fingerprint(
+    init_params: Any,
+    train: ClientData,
+    execution: Execution,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    **arguments: Any,
+) -> dict[str, Any]:
+    """What identifies a run for resuming: its arguments, the execution strategy (others
+    give close but not bit-identical numbers), SHA-256 of the initial params and of the
+    training data, plus the caller's ``extra`` items (prefixed ``config.``)."""
+    items: dict[str, Any] = dict(arguments)
+    items.update({f"execution.{k}": v for k, v in execution._asdict().items()})
+    items["init_params.sha256"] = ckpt.tree_sha256(init_params)
+    items["train.sha256"] = ckpt.arrays_sha256(train.x, train.y, train.indices, train.offsets)
+    for key, value in _flatten(extra or {}, "config."):
+        items[key] = value
+    return items
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str):
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
 def run(
     algorithm: FederatedAlgorithm,
     init_params: Any,
@@ -140,6 +186,10 @@ def run(
     execution: Execution | None = None,
     callbacks: Sequence[Callback] = (),
     progress: bool = False,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    fingerprint: Mapping[str, Any] | None = None,
 ) -> History:
     """Run ``rounds`` rounds of ``algorithm`` on ``train``, evaluating every ``eval_every``.
 
@@ -155,20 +205,45 @@ def run(
       target_accuracy: report ``rounds_to_target`` against this accuracy.
       stop_at_target: end the run at the first evaluation that reaches the target.
       execution: execution strategy; default chosen for the backend.
-      callbacks: each is called with every evaluation record.
+      callbacks: each is called with every evaluation record (see ``Callback``).
       progress: show a progress bar with the round, test accuracy and rounds/s.
+      checkpoint_dir: where checkpoints ``ckpt_<round>.msgpack`` go (the last two kept).
+      checkpoint_every: save a checkpoint after every k-th round and after the last one
+        (also an early stop at the target); 0 saves none. A fresh run (``resume=False``)
+        that saves checkpoints first deletes old ones in ``checkpoint_dir``.
+      resume: continue from the newest checkpoint in ``checkpoint_dir`` that verifies
+        (a bad newer one is skipped with a ``CheckpointWarning``); with none there, start
+        from round 0 with a warning. The checkpoint must come from the same run: same
+        arguments, execution, initial params, training data and ``fingerprint``, or a
+        ``CheckpointError`` names what differs.
+      fingerprint: items identifying the run that the runner cannot see, e.g. the
+        experiment config the algorithm was built from; stored in every checkpoint and
+        compared on resume.
 
     Returns:
-      The ``History`` of evaluation records, with the final algorithm state.
+      The ``History`` of evaluation records (restored ones included), with the final
+      algorithm state.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}.")
+    if checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}.")
+    if (checkpoint_every or resume) and checkpoint_dir is None:
+        raise ValueError("checkpoint_every > 0 and resume=True need a checkpoint_dir.")
     execution = execution or choose_execution()
     sizes = train.sizes
     # Fixed shapes for every round (no recompilation): B = ∞ is one full batch of the
     # largest client, and S covers the largest client's E·⌈n_k/B⌉ steps.
     batch = int(sizes.max()) if math.isinf(batch_size) else int(batch_size)
     num_steps = num_local_steps(int(sizes.max()), local_epochs, batch)
+    identity = None
+    if checkpoint_every or resume:
+        identity = run_fingerprint(
+            init_params, train, execution, extra=fingerprint, rounds=rounds,
+            client_fraction=client_fraction, local_epochs=local_epochs,
+            batch_size=batch_size, seed=seed, eval_every=eval_every,
+            target_accuracy=target_accuracy, stop_at_target=stop_at_target,
+        )
 
     mesh = execution.mesh()
     pad_to = execution.devices
@@ -178,9 +253,15 @@ def run(
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         x_all, y_all = jax.device_put((x_all, y_all), replicated)
 
-    def device_round(state, idx, mask, num_examples, client_ids, key):
+    # The training set is an argument of the compiled round, not a closed-over constant
+    # (embedding it in the program makes every compilation much slower).
+    def device_round(state, x_all, y_all, idx, mask, num_examples, client_ids, key):
         batches = Batches(x_all[idx], y_all[idx], mask)
         return algorithm.round(state, CohortBatches(batches, num_examples, client_ids), key)
+
+    def reached(record: dict[str, Any]) -> bool:
+        return (stop_at_target and target_accuracy is not None
+                and record["test_accuracy"] >= target_accuracy)
 
     with use_execution(execution), _maybe_mesh(mesh):
         round_fn = jax.jit(device_round, donate_argnums=(0,))
@@ -191,38 +272,79 @@ def run(
         home = replicated if mesh is not None else jax.devices()[0]
         state = jax.device_put(state, home)
         history = History()
+        first, elapsed_before = 0, 0.0
+        if resume:
+            # The fresh state is the template: a restored state gets its structure (checked
+            # leaf by leaf) and its placement, so the rounds compile and run as in a fresh run.
+            restored = ckpt.latest_checkpoint(checkpoint_dir, state, identity)
+            if restored is None:
+                warnings.warn(
+                    f"resume: no checkpoint in {checkpoint_dir}; starting from round 0",
+                    ckpt.CheckpointWarning, stacklevel=2,
+                )
+            else:
+                state, first = restored.state, restored.round
+                elapsed_before = restored.elapsed_s
+                history = History(list(restored.history), resumed_from=restored.round)
+                for callback in callbacks:
+                    on_resume = getattr(callback, "on_resume", None)
+                    if on_resume is not None:
+                        on_resume(list(history.records))
+                if any(reached(r) for r in history.records):
+                    first = rounds  # the run had stopped at the target
+        elif checkpoint_every:
+            ckpt.remove_checkpoints(checkpoint_dir)
         start = time.perf_counter()
-        bar = tqdm(range(rounds), desc="rounds", unit="round", disable=not progress)
-        for t in bar:
-            rng = np.random.default_rng([seed, t])
-            ids = sample_clients(rng, train.num_clients, client_fraction)
-            cohort = _pad_cohort(
-                make_cohort(train, ids, local_epochs, batch, rng, num_steps=num_steps), pad_to
-            )
-            key = jax.random.fold_in(base_key, t)
-            state, metrics = round_fn(
-                state, cohort.idx, cohort.mask, cohort.num_examples, cohort.client_ids, key
-            )
-            if (t + 1) % eval_every == 0 or t + 1 == rounds:
-                acc, loss = evaluate(algorithm.server_params(state))
-                record = {
-                    "round": t + 1,
-                    "test_accuracy": acc,
-                    "test_loss": loss,
-                    "train_loss": float(metrics["train_loss"]),
-                    "elapsed_s": time.perf_counter() - start,
-                }
-                history.records.append(record)
-                bar.set_postfix(acc=f"{acc:.4f}", loss=f"{loss:.3f}")
+        bar = tqdm(range(first, rounds), desc="rounds", unit="round", disable=not progress,
+                   initial=first, total=rounds)
+        try:
+            for t in bar:
+                rng = np.random.default_rng([seed, t])
+                ids = sample_clients(rng, train.num_clients, client_fraction)
+                cohort = _pad_cohort(
+                    make_cohort(train, ids, local_epochs, batch, rng, num_steps=num_steps),
+                    pad_to,
+                )
+                key = jax.random.fold_in(base_key, t)
+                state, metrics = round_fn(
+                    state, x_all, y_all, cohort.idx, cohort.mask, cohort.num_examples,
+                    cohort.client_ids, key,
+                )
+                record, diverged, stop = None, False, False
+                if (t + 1) % eval_every == 0 or t + 1 == rounds:
+                    acc, loss = evaluate(algorithm.server_params(state))
+                    record = {
+                        "round": t + 1,
+                        "test_accuracy": acc,
+                        "test_loss": loss,
+                        "train_loss": float(metrics["train_loss"]),
+                        "elapsed_s": elapsed_before + time.perf_counter() - start,
+                    }
+                    history.records.append(record)
+                    bar.set_postfix(acc=f"{acc:.4f}", loss=f"{loss:.3f}")
+                    diverged = not (math.isfinite(loss) and math.isfinite(record["train_loss"]))
+                    stop = reached(record)
+                # Save before the callbacks run: a callback that fails (or a kill while it
+                # runs) loses no finished round. A diverged state is not saved.
+                due = (t + 1) % checkpoint_every == 0 if checkpoint_every else False
+                if checkpoint_every and not diverged and (due or stop or t + 1 == rounds):
+                    ckpt.save_checkpoint(
+                        checkpoint_dir, t + 1, state, history=history.records,
+                        fingerprint=identity,
+                        elapsed_s=elapsed_before + time.perf_counter() - start,
+                    )
+                if record is None:
+                    continue
                 for callback in callbacks:
                     callback(record)
-                if not math.isfinite(loss) or not math.isfinite(record["train_loss"]):
+                if diverged:
                     raise FloatingPointError(
-                        f"round {t + 1}: the model diverged (test loss {loss}, train loss "
-                        f"{record['train_loss']}); lower client_lr or server.lr."
+                        f"round {t + 1}: the model diverged (test loss {record['test_loss']}, "
+                        f"train loss {record['train_loss']}); lower client_lr or server.lr."
                     )
-                if stop_at_target and target_accuracy is not None and acc >= target_accuracy:
+                if stop:
                     break
-        bar.close()
+        finally:
+            bar.close()
     history.state = state
     return history
