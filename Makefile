@@ -32,3 +32,34 @@ test: $(VENV)/.test-installed
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+
+# --- Benchmarks (benchmarks/README.md) ------------------------------------------------------
+# PyTorch and Flower are never dependencies of fedax: they live in their own venv, built on
+# demand. torch is installed FIRST and pinned in every later install, so that nothing that
+# depends on it (flwr, ray) pulls in another (multi-GB CUDA) build.
+BENCH_VENV := .venv-bench
+BENCH_BIN := $(BENCH_VENV)/bin
+BENCH_PIP := $(BENCH_BIN)/python -m pip --disable-pip-version-check -q
+BENCH_TORCH := torch==2.13.0
+BENCH_ROUNDS_2NN ?= 10
+BENCH_ROUNDS_CNN ?= 4
+
+.PHONY: bench-env bench
+
+$(BENCH_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(BENCH_VENV)
+	echo '*' > $(BENCH_VENV)/.gitignore
+	$(BENCH_PIP) install --upgrade pip
+	$(BENCH_PIP) install '$(BENCH_TORCH)'
+	$(BENCH_PIP) install '$(BENCH_TORCH)' 'flwr[simulation]' psutil threadpoolctl
+	$(BENCH_PIP) install '$(BENCH_TORCH)' -e .
+	$(BENCH_BIN)/python -c "import torch, flwr, ray, fedax; print('bench env: torch', torch.__version__, 'flwr', flwr.__version__, 'ray', ray.__version__)"
+	touch $@
+
+## bench-env: build .venv-bench (torch CPU, flwr[simulation], psutil, threadpoolctl, fedax)
+bench-env: $(BENCH_VENV)/.installed
+
+## bench: fedax vs PyTorch vs Flower vs the FLOP/s limit, 2NN and CNN -> benchmarks/results/
+bench: $(BENCH_VENV)/.installed
+	$(BENCH_BIN)/python benchmarks/compare.py 2nn --rounds $(BENCH_ROUNDS_2NN)
+	$(BENCH_BIN)/python benchmarks/compare.py cnn --rounds $(BENCH_ROUNDS_CNN)
