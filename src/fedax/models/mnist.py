@@ -142,7 +142,7 @@ def mlp_2nn() -> Model:
     return Model(init, apply)
 
 
-def cnn(conv_impl: str = "lax") -> Model:
+def cnn(conv_impl: str = "auto") -> Model:
     """McMahan et al.'s MNIST CNN; 1,663,370 params.
 
     conv 5x5x32 ('SAME') + ReLU -> maxpool 2x2 -> conv 5x5x64 ('SAME') + ReLU ->
@@ -152,8 +152,12 @@ def cnn(conv_impl: str = "lax") -> Model:
 
     Args:
         conv_impl: ``"lax"`` or ``"patches"``; see :func:`conv2d`. Both use the same params
-            and compute the same function.
+            and compute the same function. ``"auto"`` (default) picks ``"patches"`` on CPU,
+            where XLA runs ``lax`` convolutions inside loops and under ``vmap`` several times
+            slower (jax-ml/jax#12868), and ``"lax"`` on accelerators.
     """
+    if conv_impl == "auto":
+        conv_impl = "patches" if jax.default_backend() == "cpu" else "lax"
     if conv_impl not in CONV_IMPLS:
         raise ValueError(f"unknown conv_impl {conv_impl!r}; allowed: {', '.join(CONV_IMPLS)}")
 
