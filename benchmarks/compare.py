@@ -83,7 +83,8 @@ def fedax_configs(model: str, strategies: list[str] | None, conv_impls: list[str
                 label += f" conv={conv}"
             configs.append({"implementation": "fedax", "label": label,
                             "script": "bench_fedax.py", "args": args,
-                            "is_default": strategy == "default" and conv in (None, "lax")})
+                            "is_default": strategy == "default"
+                            and conv in (None, "auto", "patches")})
     return configs
 
 
