@@ -23,13 +23,17 @@ VALID = {
     "dataset": "mnist",
     "num_clients": 100,
     "partition": "pathological",
+    "dirichlet_alpha": 0.5,
+    "similarity": 0.1,
     "model": "2nn",
     "algorithm": "fedavg",
+    "mu": 0.01,
     "client_fraction": 0.1,
     "local_epochs": 1,
     "batch_size": 10,
     "client_lr": 0.1,
-    "server": {"optimizer": "momentum", "lr": 1.0, "momentum": 0.5},
+    "server": {"optimizer": "momentum", "lr": 1.0, "momentum": 0.5, "b1": 0.9, "b2": 0.99,
+               "tau": 0.001},
     "eval_every": 5,
     "target_accuracy": 0.97,
     "stop_at_target": False,
@@ -96,7 +100,8 @@ def test_batch_size_inf_is_stored_as_math_inf_and_written_as_string(value):
     ("data", "key", "fragment"),
     [
         (_with(lr_client=0.1), "'lr_client'", "allowed: seed, rounds"),
-        (_with(server={"lrr": 0.5}), "'server.lrr'", "allowed: optimizer, lr, momentum"),
+        (_with(server={"lrr": 0.5}), "'server.lrr'",
+         "allowed: optimizer, lr, momentum, b1, b2, tau"),
         (_with(execution={"strategy": "pmap"}), "'execution.strategy'", "'vmap'"),
         (_with(rounds="ten"), "'rounds'", "an integer > 0, got 'ten'"),
         (_with(rounds="10"), "'rounds'", "an integer > 0"),
@@ -115,7 +120,8 @@ def test_batch_size_inf_is_stored_as_math_inf_and_written_as_string(value):
         (_with(server={"momentum": 1.0}), "'server.momentum'", "[0, 1)"),
         (_with(server="adam"), "'server'", "a section with keys optimizer, lr, momentum"),
         (_with(model="resnet"), "'model'", "'2nn', 'cnn'"),
-        (_with(partition="dirichlet"), "'partition'", "'iid', 'pathological', 'unbalanced'"),
+        (_with(partition="shards"), "'partition'",
+         "'iid', 'pathological', 'unbalanced', 'dirichlet'"),
         (_with(algorithm="fedsgd", local_epochs=5), "'local_epochs'", "must be 1"),
         (_with(algorithm="fedsgd", batch_size=10), "'batch_size'", "must be inf"),
     ],
@@ -170,7 +176,8 @@ def test_set_reaches_a_section_missing_from_the_file(write):
         ("=3", "malformed"),
         ("server.=3", "malformed"),
         ("lr_client=0.1", "unknown config key 'lr_client'"),
-        ("server.lrr=0.5", "unknown config key 'server.lrr' (allowed: optimizer, lr, momentum)"),
+        ("server.lrr=0.5",
+         "unknown config key 'server.lrr' (allowed: optimizer, lr, momentum, b1, b2, tau)"),
         ("rounds.x=1", "unknown config key 'rounds.x'"),
         ("client_fraction=0", "config key 'client_fraction'"),
         ("server.lr=[1", "not valid YAML"),
@@ -220,3 +227,18 @@ def test_model_names_match_the_model_registry():
     from fedax.models import MODEL_NAMES
 
     assert get_args(Config.model_fields["model"].annotation) == MODEL_NAMES
+
+
+def test_algorithm_names_match_the_algorithm_registry():
+    from fedax.algorithms import ALGORITHMS
+
+    assert set(get_args(Config.model_fields["algorithm"].annotation)) == set(ALGORITHMS)
+
+
+def test_new_keys_are_validated(write):
+    cases = [("mu=-1", "'mu'"), ("server.tau=0", "'server.tau'"),
+             ("server.b2=1.5", "'server.b2'"), ("dirichlet_alpha=0", "'dirichlet_alpha'"),
+             ("similarity=2", "'similarity'"), ("dataset=cifar", "'dataset'")]
+    for override, key in cases:
+        with pytest.raises(ConfigError, match=key):
+            load_config(write(VALID), [override])

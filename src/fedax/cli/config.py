@@ -83,6 +83,10 @@ class ServerConfig(_Section):
     optimizer: Literal["sgd", "momentum", "adam"] = "sgd"
     lr: Number = Field(1.0, gt=0, allow_inf_nan=False)
     momentum: Number = Field(0.9, ge=0, lt=1)
+    # Reddi et al. 2021 (FedAdam, FedYogi, FedAMSGrad; FedAdagrad uses tau only)
+    b1: Number = Field(0.9, ge=0, lt=1)
+    b2: Number = Field(0.99, ge=0, lt=1)
+    tau: Number = Field(1e-3, gt=0, allow_inf_nan=False)
 
 
 class ExecutionConfig(_Section):
@@ -105,11 +109,17 @@ class Config(_Section):
 
     seed: int = Field(0, ge=0)
     rounds: int = Field(gt=0)
-    dataset: Literal["mnist"] = "mnist"
+    dataset: Literal["mnist", "fashion_mnist"] = "mnist"
     num_clients: int = Field(100, gt=0)
-    partition: Literal["iid", "pathological", "unbalanced"]
+    partition: Literal["iid", "pathological", "unbalanced", "dirichlet", "similarity"]
+    dirichlet_alpha: Number = Field(0.1, gt=0, allow_inf_nan=False)  # partition: dirichlet
+    similarity: Number = Field(0.0, ge=0, le=1)  # partition: similarity (SCAFFOLD's s)
     model: Literal["2nn", "cnn"]
-    algorithm: Literal["fedavg", "fedsgd"]
+    algorithm: Literal[
+        "fedavg", "fedsgd", "fedprox", "scaffold", "scaffold_option1", "fedadagrad", "fedadam",
+        "fedyogi", "fedamsgrad", "fedavgm",
+    ]
+    mu: Number = Field(0.01, ge=0, allow_inf_nan=False)  # FedProx's proximal weight
     client_fraction: Number = Field(gt=0, le=1)
     local_epochs: int = Field(ge=1)
     batch_size: BatchSize = Field(description="an integer >= 1 or inf")

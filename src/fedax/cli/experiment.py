@@ -18,7 +18,8 @@ import numpy as np
 import optax
 
 from fedax import data as fdata
-from fedax.algorithms import FederatedAlgorithm, fedavg, fedsgd
+from fedax.algorithms import FederatedAlgorithm
+from fedax.algorithms import make as make_algorithm
 from fedax.cli.config import Config, check_against_data, config_to_dict
 from fedax.client import Batches
 from fedax.models import get_model, softmax_cross_entropy
@@ -29,10 +30,11 @@ _DATASETS: dict[str, Any] = {}
 
 def load_dataset(name: str) -> dict[str, np.ndarray]:
     """The named data set as NumPy arrays (cached in-process)."""
+    loaders = {"mnist": fdata.load_mnist, "fashion_mnist": fdata.load_fashion_mnist}
     if name not in _DATASETS:
-        if name != "mnist":
-            raise ValueError(f"unknown dataset {name!r}; allowed: mnist")
-        _DATASETS[name] = fdata.load_mnist()
+        if name not in loaders:
+            raise ValueError(f"unknown dataset {name!r}; allowed: {', '.join(loaders)}")
+        _DATASETS[name] = loaders[name]()
     return _DATASETS[name]
 
 
@@ -41,6 +43,10 @@ def partition(config: Config, y: np.ndarray) -> list[np.ndarray]:
         return fdata.iid(len(y), config.num_clients, config.seed)
     if config.partition == "pathological":
         return fdata.pathological(y, config.num_clients, 2, seed=config.seed)
+    if config.partition == "dirichlet":
+        return fdata.dirichlet(y, config.num_clients, config.dirichlet_alpha, config.seed)
+    if config.partition == "similarity":
+        return fdata.similarity(y, config.num_clients, config.similarity, config.seed)
     return fdata.unbalanced(len(y), config.num_clients, config.seed)
 
 
@@ -57,9 +63,19 @@ def build_algorithm(config: Config, apply_fn) -> FederatedAlgorithm:
     def loss_fn(params, batch: Batches):
         return softmax_cross_entropy(apply_fn(params, batch.x), batch.y, batch.mask)
 
-    if config.algorithm == "fedsgd":
-        return fedsgd(loss_fn, config.client_lr, server_optimizer(config))
-    return fedavg(loss_fn, optax.sgd(config.client_lr), server_optimizer(config))
+    name, server = config.algorithm, config.server
+    if name in ("fedadam", "fedyogi", "fedamsgrad"):
+        options = dict(server_lr=server.lr, b1=server.b1, b2=server.b2, tau=server.tau)
+    elif name == "fedadagrad":
+        options = dict(server_lr=server.lr, tau=server.tau)
+    elif name == "fedavgm":
+        options = dict(server_lr=server.lr, momentum=server.momentum)
+    else:
+        options = dict(server_optimizer=server_optimizer(config))
+        if name == "fedprox":
+            options["mu"] = config.mu
+    return make_algorithm(name, loss_fn, num_clients=config.num_clients,
+                          client_lr=config.client_lr, **options)
 
 
 def plot_curves(curves: dict[str, History], path: Path, target: float | None = None) -> None:
