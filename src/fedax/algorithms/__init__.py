@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import optax
 
-from fedax.algorithms.base import CohortBatches, FederatedAlgorithm
+from fedax.algorithms.base import CohortBatches, FederatedAlgorithm, federated_loss
 from fedax.algorithms.fedavg import FedAvgState, fedavg
 from fedax.algorithms.fedprox import fedprox, proximal
 from fedax.algorithms.fedsgd import fedsgd
@@ -116,6 +116,7 @@ __all__ = [
     "fedprox",
     "fedsgd",
     "fedyogi",
+    "federated_loss",
     "make",
     "proximal",
     "scaffold",

@@ -15,10 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedax import federated as fed
-from fedax.algorithms.base import CohortBatches, FederatedAlgorithm
+from fedax.algorithms.base import CohortBatches, FederatedAlgorithm, federated_loss
 from fedax.algorithms.fedavg import FedAvgState
-from fedax.client import Batches, LossFn
+from fedax.client import LossFn
 
 
 def fedsgd(
@@ -34,22 +33,11 @@ def fedsgd(
         del key
         return FedAvgState(params, server_optimizer.init(params), jnp.zeros((), jnp.int32))
 
-    def client_loss(params, batches: Batches):
-        # Mean over the client's real full-batch steps (one for E = 1).
-        losses = jax.vmap(loss_fn, in_axes=(None, 0))(params, batches)
-        valid = jnp.any(batches.mask > 0, axis=-1).astype(losses.dtype)
-        return jnp.sum(losses * valid) / jnp.maximum(jnp.sum(valid), 1.0)
-
-    def cohort_loss(params, cohort: CohortBatches):
-        num_clients = cohort.num_examples.shape[0]
-        losses = fed.map_clients(
-            client_loss, fed.broadcast(params, num_clients), cohort.batches
-        )
-        return fed.weighted_mean(losses, cohort.num_examples)
-
     def round_fn(state: FedAvgState, cohort: CohortBatches, key):
         del key
-        loss, grads = jax.value_and_grad(cohort_loss)(state.params, cohort)
+        loss, grads = jax.value_and_grad(federated_loss, argnums=1)(
+            loss_fn, state.params, cohort
+        )
         pseudo_grad = jax.tree.map(lambda g: client_lr * g, grads)
         updates, opt_state = server_optimizer.update(
             pseudo_grad, state.server_opt_state, state.params

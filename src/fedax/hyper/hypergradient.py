@@ -28,29 +28,11 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
-import jax.numpy as jnp
 
-from fedax import federated as fed
-from fedax.algorithms import CohortBatches, FederatedAlgorithm
-from fedax.client import Batches, LossFn
+from fedax.algorithms import CohortBatches, FederatedAlgorithm, federated_loss
+from fedax.client import LossFn
 
 Mode = Literal["forward", "reverse"]
-
-
-def federated_loss(loss_fn: LossFn, params: Any, cohort: CohortBatches) -> jax.Array:
-    """The n_k-weighted mean over clients of each client's mean loss over its real batches.
-
-    Communication: the model is broadcast, each client returns one scalar.
-    """
-    num_clients = cohort.num_examples.shape[0]
-
-    def client_loss(p, batches: Batches):
-        losses = jax.vmap(loss_fn, in_axes=(None, 0))(p, batches)
-        real = jnp.sum(batches.mask, axis=-1)
-        return jnp.sum(losses * real) / jnp.maximum(jnp.sum(real), 1.0)
-
-    per_client = fed.map_clients(client_loss, fed.broadcast(params, num_clients), cohort.batches)
-    return fed.weighted_mean(per_client, cohort.num_examples)
 
 
 def loss_after_rounds(
