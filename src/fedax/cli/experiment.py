@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import optax
@@ -59,9 +60,17 @@ def server_optimizer(config: Config) -> optax.GradientTransformation:
     return optax.adam(server.lr)
 
 
-def build_algorithm(config: Config, apply_fn) -> FederatedAlgorithm:
+def build_algorithm(config: Config, apply_fn, *, sequence: bool = False) -> FederatedAlgorithm:
+    """The config's algorithm on ``apply_fn``'s model with the cross-entropy loss (per token,
+    PAD targets ignored, when ``sequence``)."""
+
     def loss_fn(params, batch: Batches):
-        return softmax_cross_entropy(apply_fn(params, batch.x), batch.y, batch.mask)
+        logits = apply_fn(params, batch.x)
+        if sequence:
+            from fedax.models.losses import token_cross_entropy
+
+            return token_cross_entropy(logits, batch.y, batch.mask)
+        return softmax_cross_entropy(logits, batch.y, batch.mask)
 
     name, server = config.algorithm, config.server
     if name in ("fedadam", "fedyogi", "fedamsgrad"):
@@ -119,6 +128,39 @@ class JsonlWriter:
         self.path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
+class FederatedData(NamedTuple):
+    """What a run needs from its data set: the clients' training data, a pooled test set,
+    and the keyword arguments the model needs to fit the data (e.g. a vocabulary size)."""
+
+    train: fdata.ClientData
+    x_test: np.ndarray
+    y_test: np.ndarray
+    model_kwargs: dict[str, Any]
+
+
+def _image_data(config: Config) -> FederatedData:
+    arrays = load_dataset(config.dataset)
+    train = fdata.ClientData.from_partition(
+        arrays["x_train"], arrays["y_train"], partition(config, arrays["y_train"])
+    )
+    return FederatedData(train, arrays["x_test"], arrays["y_test"], {})
+
+
+# config.dataset -> builder. A data set whose labels are [N, T] (sequences) is trained and
+# evaluated per token, PAD (id 0) targets ignored.
+DATA_BUILDERS: dict[str, Callable[[Config], FederatedData]] = {
+    "mnist": _image_data,
+    "fashion_mnist": _image_data,
+}
+
+
+def build_data(config: Config) -> FederatedData:
+    if config.dataset not in DATA_BUILDERS:
+        raise ValueError(f"unknown dataset {config.dataset!r}; "
+                         f"allowed: {', '.join(DATA_BUILDERS)}")
+    return DATA_BUILDERS[config.dataset](config)
+
+
 def run_experiment(
     config: Config,
     out_dir: str | Path,
@@ -133,17 +175,15 @@ def run_experiment(
     (the config must be the same, ``checkpoint_every`` aside; else ``ConfigError``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    arrays = load_dataset(config.dataset)
-    train = fdata.ClientData.from_partition(
-        arrays["x_train"], arrays["y_train"], partition(config, arrays["y_train"])
-    )
+    data = build_data(config)
+    train = data.train
     check_against_data(config, train.sizes)
-    model = get_model(config.model)
+    model = get_model(config.model, **data.model_kwargs)
     import jax
 
     params = jax.jit(model.init)(jax.random.key(config.seed))
-    algorithm = build_algorithm(config, model.apply)
-    evaluate = make_evaluator(model.apply, arrays["x_test"], arrays["y_test"])
+    algorithm = build_algorithm(config, model.apply, sequence=data.y_test.ndim > 1)
+    evaluate = make_evaluator(model.apply, data.x_test, data.y_test)
     execution: Execution = choose_execution(
         config.execution.strategy, config.execution.local_steps, config.execution.devices
     )

@@ -1,4 +1,4 @@
-"""The ``fedax`` command: ``run``, ``demo`` and ``data fetch``."""
+"""The ``fedax`` command: ``run``, ``demo``, ``reproduce`` and ``data fetch``."""
 
 from __future__ import annotations
 
@@ -94,6 +94,31 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_reproduce(args) -> int:
+    from fedax.reproduce import EXPERIMENTS, get_experiment, reproduce
+
+    if args.list or not args.name:
+        width = max(len(n) for n in EXPERIMENTS)
+        for name in sorted(EXPERIMENTS):
+            e = EXPERIMENTS[name]
+            size = (f" ({len(e.full)} cells; --quick: {len(e.quick)})"
+                    if hasattr(e, "full") else "")
+            print(f"{name:<{width}}  {e.title}{size}")
+        return 0
+    try:
+        get_experiment(args.name)
+    except KeyError as err:
+        raise ConfigError(err.args[0]) from None
+    out = Path(args.out or f"runs/reproduce/{args.name}" + ("-quick" if args.quick else ""))
+    command = f"fedax reproduce {args.name}" + (" --quick" if args.quick else "")
+    if args.out:
+        command += f" --out {args.out}"
+    results = reproduce(args.name, out, quick=args.quick, progress=not args.no_progress,
+                        command=command)
+    print(f"\nreport: {out / 'report.md'} ({results['wall_time_s'] / 60:.1f} min of runs)")
+    return 0
+
+
 def cmd_data_fetch(args) -> int:
     from fedax.data import fetch_mnist
 
@@ -129,6 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="override a key in both configs")
     demo.add_argument("--no-progress", action="store_true")
     demo.set_defaults(func=cmd_demo)
+
+    rep = sub.add_parser(
+        "reproduce", help="run a paper experiment and write a report (--list names them)")
+    rep.add_argument("name", nargs="?", help="the experiment (see --list)")
+    rep.add_argument("--list", action="store_true", help="list the experiments")
+    rep.add_argument("--quick", action="store_true",
+                     help="the documented subset that runs in minutes on a laptop CPU")
+    rep.add_argument("--out", help="report directory (default runs/reproduce/NAME[-quick]); "
+                                   "rerunning into it reuses and resumes finished runs")
+    rep.add_argument("--no-progress", action="store_true", help="no progress bars")
+    rep.set_defaults(func=cmd_reproduce)
 
     data = sub.add_parser("data", help="data set commands")
     data_sub = data.add_subparsers(dest="data_command", required=True)

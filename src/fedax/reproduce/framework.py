@@ -1,0 +1,483 @@
+"""Named paper experiments: cells, learning-rate grids, resumable runs and the report.
+
+An :class:`Experiment` is a list of :class:`Cell` s (one row of a paper table: a method with
+its E, B and partition) over a base config. Each cell runs once per value of its learning
+rate grid, and the value that reaches the target in the fewest rounds is chosen (the paper's
+protocol: "the best η is picked separately" for each cell; when no value reaches the
+target, the best accuracy decides and the cell is reported as a miss). ``reproduce`` writes:
+
+* ``results.json``: every cell with its chosen learning rate, our rounds to target (or
+  null), the paper's, the speedup over the experiment's baseline cell, the wall time, and
+  every grid point's result;
+* ``report.md``: the table of our numbers beside the paper's, the grid, notes, the figures;
+* ``<group>.png``: test accuracy against communication rounds for each method (the best
+  learning rate of each cell), as in the paper's Figure 2;
+* ``runs/<cell>/<lr>/``: each run's ``metrics.jsonl``, ``summary.json`` and checkpoints.
+
+Runs resume: a run whose ``summary.json`` matches its config is reused, and a run that was
+interrupted continues from its last checkpoint (bit-identical to an uninterrupted run), so
+``fedax reproduce NAME`` after a crash or a kill picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedax.cli.config import Config, ConfigError, config_to_dict, validate_config
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One row of a paper table.
+
+    Attributes:
+      name: a short unique id, used for the run directory (e.g. ``fedavg-e5-b10-iid``).
+      method: the method's name as the paper writes it (``FedSGD``, ``FedAvg``, ...).
+      group: the column it belongs to (``IID``, ``non-IID``, ``s=10%``, ...); one figure
+        and one baseline per group.
+      config: keys that override the experiment's base config.
+      lr_grid: the learning rates tried; the best is chosen.
+      paper: the paper's number for this cell (rounds to target), None if not reported.
+      baseline: the cell that speedups in its group are measured against (FedSGD).
+      lr_key: the config key the grid sets (``client_lr`` or ``server.lr``).
+      note: shown beside the cell in the report.
+    """
+
+    name: str
+    method: str
+    group: str
+    config: Mapping[str, Any]
+    lr_grid: Sequence[float]
+    paper: float | None = None
+    baseline: bool = False
+    lr_key: str = "client_lr"
+    note: str = ""
+
+    def describe(self) -> str:
+        e = self.config.get("local_epochs", "")
+        b = self.config.get("batch_size", "")
+        return f"{self.method} E={e} B={b} ({self.group})"
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A named paper experiment: a base config and the cells of the full and quick runs.
+
+    ``metric`` is how a run is scored: ``rounds_to_target`` (fewer is better; the paper's
+    Tables 1-2) or ``last_accuracy`` (the mean test accuracy over the last ``last_k``
+    evaluations; higher is better, as in Reddi et al.'s Table 2).
+    """
+
+    name: str
+    title: str
+    paper: str
+    base: Mapping[str, Any]
+    full: Sequence[Cell]
+    quick: Sequence[Cell]
+    notes: str = ""
+    quick_notes: str = ""
+    full_time: str = ""
+    metric: str = "rounds_to_target"
+    last_k: int = 10
+    columns: Sequence[str] = ("local_epochs", "batch_size")
+    # Extra markdown appended to the report, computed from the results (optional).
+    extra_report: Callable[[dict[str, Any], Path], str] | None = None
+    # Runs a cell's config and returns its summary (default: fedax.cli.experiment).
+    runner: Callable[..., dict[str, Any]] | None = None
+
+    def cells(self, quick: bool) -> Sequence[Cell]:
+        return self.quick if quick else self.full
+
+
+@dataclass(frozen=True)
+class CustomExperiment:
+    """An experiment that does not fit the cell/grid shape (e.g. learned hyperparameters):
+    ``run(out_dir, quick, progress, command) -> results`` writes ``results.json``,
+    ``report.md`` and its figures into ``out_dir`` itself (use :func:`machine_info` and
+    :func:`save_results` for the common fields)."""
+
+    name: str
+    title: str
+    run: Callable[[Path, bool, bool, str], dict[str, Any]]
+    full_description: str = ""
+    quick_description: str = ""
+
+
+def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    *path, last = dotted.split(".")
+    for part in path:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(base))
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = json.loads(json.dumps(value)) if isinstance(value, Mapping) else value
+    return out
+
+
+def cell_config(experiment: Experiment, cell: Cell, lr: float) -> Config:
+    data = _merge(experiment.base, cell.config)
+    _set(data, cell.lr_key, float(lr))
+    try:
+        return validate_config(data)
+    except ConfigError as err:
+        raise ConfigError(f"experiment {experiment.name}, cell {cell.name}: {err}") from None
+
+
+def lr_dirname(lr: float) -> str:
+    return f"lr_{lr:.6g}"
+
+
+def _score(experiment: Experiment, summary: Mapping[str, Any]) -> tuple[float, float]:
+    """Sort key, lower is better: (rounds to target or inf, -best accuracy), or
+    (-mean accuracy over the last k evaluations, 0)."""
+    if experiment.metric == "last_accuracy":
+        return (-summary["last_accuracy"], 0.0)
+    rounds = summary.get("rounds_to_target")
+    return (math.inf if rounds is None else rounds, -summary["best_test_accuracy"])
+
+
+def _default_runner(config: Config, out: Path, *, progress: bool, resume: bool,
+                    label: str) -> dict[str, Any]:
+    from fedax.cli.experiment import run_experiment
+
+    return run_experiment(config, out, progress=progress, resume=resume, label=label)
+
+
+def _cap(experiment: Experiment, cell: Cell, points) -> int | None:
+    """Rounds a further grid point needs at most to matter: once a learning rate reached
+    the target in r rounds, another one that has not reached it by the next evaluation
+    after r cannot be chosen, so it stops there (the chosen value and its rounds are the
+    same as with uncapped runs; the losers are reported as "not within the cap")."""
+    if experiment.metric != "rounds_to_target":
+        return None
+    reached = [s["rounds_to_target"] for _, s in points if s.get("rounds_to_target")]
+    if not reached:
+        return None
+    config = cell_config(experiment, cell, cell.lr_grid[0])
+    every = config.eval_every
+    cap = (math.ceil(min(reached) / every) + 1) * every
+    return cap if cap < config.rounds else None
+
+
+def run_one(
+    experiment: Experiment, cell: Cell, lr: float, out: Path, *, progress: bool,
+    rounds: int | None = None,
+) -> dict[str, Any]:
+    """Run (or reuse, or resume) one grid point; returns its summary with the records."""
+    config = cell_config(experiment, cell, lr)
+    if rounds is not None:
+        config = config.model_copy(update={"rounds": rounds})
+    wanted = config_to_dict(config)
+    summary_path = out / "summary.json"
+    if summary_path.exists():
+        done = json.loads(summary_path.read_text())
+        if done.get("config") == wanted:
+            done["reused"] = True
+            return _with_records(experiment, done, out)
+        shutil.rmtree(out)  # another config: start over
+    runner = experiment.runner or _default_runner
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="resume: no checkpoint")
+        summary = runner(config, out, progress=progress, resume=True,
+                         label=f"{cell.method} lr={lr:g}")
+    return _with_records(experiment, summary, out)
+
+
+def _with_records(experiment: Experiment, summary: dict[str, Any], out: Path) -> dict:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    summary = dict(summary)
+    summary["records"] = records
+    accs = [r["test_accuracy"] for r in records]
+    k = min(experiment.last_k, len(accs))
+    summary["last_accuracy"] = sum(accs[-k:]) / k if k else float("nan")
+    return summary
+
+
+def run_cell(experiment: Experiment, cell: Cell, out_dir: Path, *, progress: bool,
+             log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every learning rate of ``cell``'s grid; the best one is the cell's result."""
+    points: list[tuple[float, dict[str, Any]]] = []
+    for lr in cell.lr_grid:
+        cap = _cap(experiment, cell, points)
+        log(f"-- {cell.describe()}: {cell.lr_key}={lr:g}" + (f" (cap {cap} rounds)" if cap
+                                                             else ""))
+        summary = run_one(experiment, cell, lr, out_dir / "runs" / cell.name / lr_dirname(lr),
+                          progress=progress, rounds=cap)
+        points.append((lr, summary))
+        log(f"   rounds to target {summary.get('rounds_to_target')}, "
+            f"best acc {summary['best_test_accuracy']:.4f}, {summary['wall_time_s']:.0f} s"
+            + (" (reused)" if summary.get("reused") else ""))
+    best_lr, best = min(points, key=lambda p: _score(experiment, p[1]))
+    config = cell_config(experiment, cell, best_lr)
+    lrs = sorted(lr for lr, _ in points)
+    edge = len(lrs) > 1 and best_lr in (lrs[0], lrs[-1])
+    return {
+        "name": cell.name,
+        "method": cell.method,
+        "group": cell.group,
+        "config": {k: cell.config[k] for k in cell.config},
+        "local_epochs": config.local_epochs,
+        "batch_size": "inf" if config.batch_size == math.inf else config.batch_size,
+        "lr_key": cell.lr_key,
+        "lr": best_lr,
+        "lr_at_grid_edge": edge,
+        "rounds_run": best["rounds_run"],
+        "rounds_cap": config.rounds,
+        "rounds_to_target": best.get("rounds_to_target"),
+        "best_test_accuracy": best["best_test_accuracy"],
+        "final_test_accuracy": best["final_test_accuracy"],
+        "last_accuracy": best["last_accuracy"],
+        "paper": cell.paper,
+        "baseline": cell.baseline,
+        "note": cell.note,
+        "wall_time_s": sum(s["wall_time_s"] for _, s in points),
+        "grid": [
+            {"lr": lr, "rounds_to_target": s.get("rounds_to_target"),
+             "rounds_run": s["rounds_run"], "best_test_accuracy": s["best_test_accuracy"],
+             "last_accuracy": s["last_accuracy"], "wall_time_s": s["wall_time_s"]}
+            for lr, s in points
+        ],
+        "curve": {"round": [r["round"] for r in best["records"]],
+                  "test_accuracy": [r["test_accuracy"] for r in best["records"]]},
+    }
+
+
+def _speedups(cells: list[dict[str, Any]]) -> None:
+    """Speedup over the group's baseline: ours (when both reached the target; a lower
+    bound when only this cell did) and the paper's."""
+    for group in {c["group"] for c in cells}:
+        members = [c for c in cells if c["group"] == group]
+        base = next((c for c in members if c["baseline"]), None)
+        for c in members:
+            c["speedup"], c["speedup_bound"], c["paper_speedup"] = None, False, None
+            if base is None:
+                continue
+            if base["paper"] and c["paper"]:
+                c["paper_speedup"] = base["paper"] / c["paper"]
+            ours, theirs = c["rounds_to_target"], base["rounds_to_target"]
+            if ours and theirs:
+                c["speedup"] = theirs / ours
+            elif ours and theirs is None:
+                # The baseline missed within its cap: the speedup is at least cap / ours.
+                c["speedup"], c["speedup_bound"] = base["rounds_cap"] / ours, True
+
+
+def _fmt(value: Any, digits: int = 0) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _ratio_check(cell: dict[str, Any]) -> str:
+    """Within 2x of the paper? '✓', '✗ (1.3x the paper)', or the reason it cannot say."""
+    ours, paper = cell["rounds_to_target"], cell["paper"]
+    if paper is None:
+        return "no paper value"
+    if ours is None:
+        return f"missed (target not reached in {cell['rounds_cap']} rounds)"
+    ratio = ours / paper
+    mark = "✓" if 0.5 <= ratio <= 2.0 else "✗"
+    return f"{mark} {ratio:.2f}× the paper"
+
+
+def figures(experiment: Experiment, cells: list[dict[str, Any]], out: Path,
+            target: float | None) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    for group in dict.fromkeys(c["group"] for c in cells):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        members = [c for c in cells if c["group"] == group]
+        accs = []
+        for c in members:
+            label = (f"{c['method']} E={c['local_epochs']} B={c['batch_size']} "
+                     f"lr={c['lr']:g}")
+            if not experiment.columns:
+                label = f"{c['method']} ({c['lr_key']}={c['lr']:g})"
+            ax.plot(c["curve"]["round"], c["curve"]["test_accuracy"], label=label,
+                    linewidth=1.2)
+            accs += c["curve"]["test_accuracy"]
+        if target is not None:
+            ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
+        if accs:
+            lo = sorted(accs)[len(accs) // 20]
+            top = min(1.0, max(accs) + 0.02)
+            ax.set_ylim(max(0.0, min(lo, (target or top) - 0.05)), top)
+        ax.set_xlabel("communication rounds")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(f"{experiment.title}: {group}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in group) + ".png"
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        names.append(name)
+    return names
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine a report ran on (platform, Python, JAX, backend, devices, CPUs)."""
+    import jax
+
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "cpus": os.cpu_count(),
+    }
+
+
+def write_report(experiment: Experiment, results: dict[str, Any], out: Path) -> str:
+    cells = results["cells"]
+    target = results["target_accuracy"]
+    lines = [
+        f"# {experiment.title}",
+        "",
+        f"Paper: {experiment.paper}.",
+        "",
+        f"Command: `{results['command']}` ({'quick subset' if results['quick'] else 'full'}"
+        f"), {results['wall_time_s'] / 60:.1f} min on {results['machine']['cpus']} CPU cores "
+        f"({results['machine']['backend']}, JAX {results['machine']['jax']}), "
+        f"finished {results['finished']}.",
+        "",
+    ]
+    if experiment.metric == "rounds_to_target":
+        lines += [
+            f"Rounds to {target:.0%} test accuracy (best-so-far curve, linear interpolation; "
+            "— = not reached within the cap). Speedup = the group's FedSGD rounds / the "
+            "cell's rounds (≥ when FedSGD missed within its cap).",
+            "",
+        ]
+        header = ["method"] + [_COLUMN_NAMES.get(c, c) for c in experiment.columns] + [
+            "group", "lr", "rounds (fedax)", "rounds (paper)", "speedup (fedax)",
+            "speedup (paper)", "best acc", "vs paper", "wall s"]
+    else:
+        lines += [
+            f"Mean test accuracy over the last {experiment.last_k} evaluations (higher is "
+            "better); the learning rate is the grid value with the best such mean.",
+            "",
+        ]
+        header = ["method"] + [_COLUMN_NAMES.get(c, c) for c in experiment.columns] + [
+            "group", "lr", f"last-{experiment.last_k} acc", "best acc", "paper",
+            "rounds", "wall s"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for c in cells:
+        cols = [_fmt(c["config"].get(k, c.get(k))) for k in experiment.columns]
+        lr = f"{c['lr']:g}" + (" (edge)" if c["lr_at_grid_edge"] else "")
+        if experiment.metric == "rounds_to_target":
+            speed = c["speedup"]
+            speed_s = "—" if speed is None else (
+                f"{'≥' if c['speedup_bound'] else ''}{speed:.1f}×")
+            paper_speed = "—" if c["paper_speedup"] is None else f"{c['paper_speedup']:.1f}×"
+            row = [c["method"], *cols, c["group"], lr, _fmt(c["rounds_to_target"]),
+                   _fmt(c["paper"]), speed_s, paper_speed,
+                   f"{c['best_test_accuracy']:.4f}", _ratio_check(c),
+                   f"{c['wall_time_s']:.0f}"]
+        else:
+            row = [c["method"], *cols, c["group"], lr, f"{c['last_accuracy']:.4f}",
+                   f"{c['best_test_accuracy']:.4f}", _fmt(c["paper"], 1),
+                   str(c["rounds_run"]), f"{c['wall_time_s']:.0f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "(edge) = the chosen learning rate is at the edge of its grid.", ""]
+    lines += ["## Learning-rate grids", ""]
+    for c in cells:
+        pts = ", ".join(
+            f"{p['lr']:g} → "
+            + (_fmt(p["rounds_to_target"]) if experiment.metric == "rounds_to_target"
+               else f"{p['last_accuracy']:.4f}")
+            + (f" (best acc {p['best_test_accuracy']:.4f})"
+               if experiment.metric == "rounds_to_target" and p["rounds_to_target"] is None
+               else "")
+            for p in c["grid"])
+        lines.append(f"- {c['method']} {c['name']}: {c['lr_key']} ∈ {{{pts}}}"
+                     + (f". {c['note']}" if c["note"] else ""))
+    lines.append("")
+    if experiment.notes:
+        lines += ["## Notes", "", experiment.notes.strip(), ""]
+    if results["quick"] and experiment.quick_notes:
+        lines += ["## The quick subset", "", experiment.quick_notes.strip(), ""]
+    if experiment.full_time:
+        lines += ["## The full table", "", experiment.full_time.strip(), ""]
+    if experiment.extra_report is not None:
+        lines += [experiment.extra_report(results, out), ""]
+    lines += ["## Figures", ""]
+    lines += [f"![{name}]({name})" for name in results["figures"]]
+    text = "\n".join(lines) + "\n"
+    (out / "report.md").write_text(text)
+    return text
+
+
+_COLUMN_NAMES = {"local_epochs": "E", "batch_size": "B"}
+
+
+def reproduce(
+    experiment: Experiment,
+    out_dir: str | os.PathLike[str],
+    *,
+    quick: bool = False,
+    progress: bool = True,
+    command: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run ``experiment`` (its quick subset with ``quick``) and write the report."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    cells = []
+    for cell in experiment.cells(quick):
+        cells.append(run_cell(experiment, cell, out, progress=progress, log=log))
+    _speedups(cells)
+    base = _merge(experiment.base, {})
+    target = base.get("target_accuracy")
+    results = {
+        "experiment": experiment.name,
+        "title": experiment.title,
+        "paper": experiment.paper,
+        "quick": quick,
+        "command": command or f"fedax reproduce {experiment.name}" + (" --quick" * quick),
+        "target_accuracy": target,
+        "metric": experiment.metric,
+        "base_config": base,
+        "machine": machine_info(),
+        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cells": cells,
+    }
+    results["figures"] = figures(experiment, cells, out, target)
+    # Compute time of every run in the report (reused runs count with their own time).
+    results["wall_time_s"] = round(sum(c["wall_time_s"] for c in cells), 1)
+    results["this_invocation_s"] = round(time.perf_counter() - started, 1)
+    write_report(experiment, results, out)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def save_results(results: dict[str, Any], out: Path) -> None:
+    """Write ``results.json`` (indented JSON, trailing newline)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
