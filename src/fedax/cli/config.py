@@ -89,6 +89,16 @@ class ServerConfig(_Section):
     tau: Number = Field(1e-3, gt=0, allow_inf_nan=False)
 
 
+class SyntheticConfig(_Section):
+    """Synthetic(α, β) of Li et al. (FedProx, 2020), ``dataset: synthetic``: α spreads the
+    local models, β the local input means (standard deviations); ``iid`` generates the IID
+    variant instead (α and β ignored). ``num_clients`` is the number of devices."""
+
+    alpha: Number = Field(1.0, ge=0, allow_inf_nan=False)
+    beta: Number = Field(1.0, ge=0, allow_inf_nan=False)
+    iid: bool = False
+
+
 class ExecutionConfig(_Section):
     """How rounds execute; ``auto`` lets the runner choose per backend and model."""
 
@@ -109,12 +119,15 @@ class Config(_Section):
 
     seed: int = Field(0, ge=0)
     rounds: int = Field(gt=0)
-    dataset: Literal["mnist", "fashion_mnist"] = "mnist"
+    dataset: Literal["mnist", "fashion_mnist", "synthetic"] = "mnist"
     num_clients: int = Field(100, gt=0)
-    partition: Literal["iid", "pathological", "unbalanced", "dirichlet", "similarity"]
+    # natural: the data set's own clients (synthetic's devices; filled in for it)
+    partition: Literal["iid", "pathological", "unbalanced", "dirichlet", "similarity",
+                       "natural"]
     dirichlet_alpha: Number = Field(0.1, gt=0, allow_inf_nan=False)  # partition: dirichlet
     similarity: Number = Field(0.0, ge=0, le=1)  # partition: similarity (SCAFFOLD's s)
-    model: Literal["2nn", "cnn"]
+    synthetic: SyntheticConfig = SyntheticConfig()  # dataset: synthetic
+    model: Literal["2nn", "cnn", "logistic"]
     algorithm: Literal[
         "fedavg", "fedsgd", "fedprox", "scaffold", "scaffold_option1", "fedadagrad", "fedadam",
         "fedyogi", "fedamsgrad", "fedavgm",
@@ -125,6 +138,10 @@ class Config(_Section):
     batch_size: BatchSize = Field(description="an integer >= 1 or inf")
     client_lr: Number = Field(gt=0, allow_inf_nan=False)
     server: ServerConfig = ServerConfig()
+    # FedProx's stragglers: this fraction of each cohort runs U{1..E} epochs instead of E;
+    # with drop_stragglers, those that ran fewer than E get weight 0 (FedAvg's treatment).
+    stragglers: Number = Field(0.0, ge=0, le=1)
+    drop_stragglers: bool = False
     eval_every: int = Field(1, ge=1)
     target_accuracy: Number | None = Field(None, gt=0, le=1)
     stop_at_target: bool = False
@@ -137,6 +154,39 @@ class Config(_Section):
         if isinstance(data, Mapping) and data.get("algorithm") == "fedsgd":
             data = {"local_epochs": 1, "batch_size": math.inf, **data}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _natural_partition(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("dataset") == "synthetic":
+            data = {"partition": "natural", **data}
+        return data
+
+    @field_validator("partition")
+    @classmethod
+    def _partition_fits_dataset(cls, value: Any, info: ValidationInfo) -> Any:
+        dataset = info.data.get("dataset")
+        if dataset == "synthetic" and value != "natural":
+            raise ValueError(
+                f"must be 'natural' for dataset 'synthetic' (its clients are the generated"
+                f" devices; omit the key), got {value!r}"
+            )
+        if value == "natural" and dataset is not None and dataset != "synthetic":
+            raise ValueError(
+                f"'natural' needs a data set with its own clients (synthetic), got dataset"
+                f" {dataset!r}"
+            )
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model_fits_dataset(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.data.get("dataset") == "synthetic" and value != "logistic":
+            raise ValueError(
+                f"must be 'logistic' for dataset 'synthetic' (60 features, not images), got"
+                f" {value!r}"
+            )
+        return value
 
     @field_validator("local_epochs", "batch_size")
     @classmethod
@@ -199,6 +249,8 @@ def _allowed(field: FieldInfo) -> str:
         text = "one of " + ", ".join(repr(a) for a in get_args(annotation))
     elif section is not None:
         text = "a section with keys " + ", ".join(section.model_fields)
+    elif annotation is bool:
+        text = "true or false"
     elif annotation is int:
         text = "an integer" + _bounds(field)
     elif annotation is float:

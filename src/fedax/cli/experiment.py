@@ -21,7 +21,7 @@ import optax
 from fedax import data as fdata
 from fedax.algorithms import FederatedAlgorithm
 from fedax.algorithms import make as make_algorithm
-from fedax.cli.config import Config, check_against_data, config_to_dict
+from fedax.cli.config import Config, SyntheticConfig, check_against_data, config_to_dict
 from fedax.client import Batches
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.simulation import Execution, History, choose_execution, make_evaluator, run
@@ -138,12 +138,29 @@ class FederatedData(NamedTuple):
     model_kwargs: dict[str, Any]
 
 
+def _linear_kwargs(config: Config, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+    """``model: logistic`` takes its input size and class count from the data."""
+    if config.model != "logistic":
+        return {}
+    return {"input_dim": int(np.prod(x.shape[1:])), "num_classes": int(y.max()) + 1}
+
+
 def _image_data(config: Config) -> FederatedData:
     arrays = load_dataset(config.dataset)
     train = fdata.ClientData.from_partition(
         arrays["x_train"], arrays["y_train"], partition(config, arrays["y_train"])
     )
-    return FederatedData(train, arrays["x_test"], arrays["y_test"], {})
+    return FederatedData(train, arrays["x_test"], arrays["y_test"],
+                         _linear_kwargs(config, arrays["x_train"], arrays["y_train"]))
+
+
+def _synthetic_data(config: Config) -> FederatedData:
+    """Synthetic(α, β) with ``num_clients`` devices (seeded by ``seed``); each device's 90/10
+    train/test split, the test splits pooled into the test set."""
+    options = config.synthetic
+    train, test = fdata.synthetic(options.alpha, options.beta, config.num_clients,
+                                  seed=config.seed, iid=options.iid)
+    return FederatedData(train, test.x, test.y, _linear_kwargs(config, train.x, train.y))
 
 
 # config.dataset -> builder. A data set whose labels are [N, T] (sequences) is trained and
@@ -151,6 +168,7 @@ def _image_data(config: Config) -> FederatedData:
 DATA_BUILDERS: dict[str, Callable[[Config], FederatedData]] = {
     "mnist": _image_data,
     "fashion_mnist": _image_data,
+    "synthetic": _synthetic_data,
 }
 
 
@@ -159,6 +177,17 @@ def build_data(config: Config) -> FederatedData:
         raise ValueError(f"unknown dataset {config.dataset!r}; "
                          f"allowed: {', '.join(DATA_BUILDERS)}")
     return DATA_BUILDERS[config.dataset](config)
+
+
+# Keys added after checkpoints existed: left out of the fingerprint at their defaults, so
+# those checkpoints still resume.
+_LATER_KEYS = {"synthetic": SyntheticConfig().model_dump(mode="json"),
+               "stragglers": 0.0, "drop_stragglers": False}
+
+
+def _fingerprint(config: Config) -> dict[str, Any]:
+    return {k: v for k, v in config_to_dict(config).items()
+            if k != "checkpoint_every" and not (k in _LATER_KEYS and v == _LATER_KEYS[k])}
 
 
 def run_experiment(
@@ -209,8 +238,9 @@ def run_experiment(
         resume=resume,
         # The algorithm, model and data choices the runner cannot see. How often to save
         # does not change the run, so a resumed run may save more or less often.
-        fingerprint={k: v for k, v in config_to_dict(config).items()
-                     if k != "checkpoint_every"},
+        fingerprint=_fingerprint(config),
+        straggler_fraction=config.stragglers,
+        drop_stragglers=config.drop_stragglers,
     )
     wall = time.perf_counter() - started
     target = config.target_accuracy

@@ -176,6 +176,17 @@ def _cap(experiment: Experiment, cell: Cell, points) -> int | None:
     return cap if cap < config.rounds else None
 
 
+def _same_config(saved: Any, wanted: dict[str, Any]) -> bool:
+    """A saved run's config is the wanted one, keys added to the schema since (at their
+    defaults) aside: the saved config is validated again, which fills them in."""
+    if saved == wanted:
+        return True
+    try:
+        return config_to_dict(validate_config(saved)) == wanted
+    except ConfigError:
+        return False
+
+
 def run_one(
     experiment: Experiment, cell: Cell, lr: float, out: Path, *, progress: bool,
     rounds: int | None = None,
@@ -188,7 +199,7 @@ def run_one(
     summary_path = out / "summary.json"
     if summary_path.exists():
         done = json.loads(summary_path.read_text())
-        if done.get("config") == wanted:
+        if _same_config(done.get("config"), wanted):
             done["reused"] = True
             return _with_records(experiment, done, out)
         shutil.rmtree(out)  # another config: start over

@@ -1,0 +1,105 @@
+"""`fedax reproduce`: learning-rate selection, speedups, the report, reuse of finished runs."""
+
+import json
+import math
+
+import pytest
+
+from fedax.cli.main import main
+from fedax.reproduce import EXPERIMENTS, Cell, Experiment, cell_config
+from fedax.reproduce import framework as fw
+
+BASE = {
+    "seed": 0, "dataset": "mnist", "num_clients": 100, "client_fraction": 0.1,
+    "model": "2nn", "target_accuracy": 0.85, "stop_at_target": True, "eval_every": 1,
+    "checkpoint_every": 2, "partition": "iid",
+}
+
+
+def _tiny_experiment(rounds_fedsgd=4):
+    return Experiment(
+        name="tiny", title="tiny", paper="none", base=BASE,
+        full=[],
+        quick=[
+            Cell("sgd", "FedSGD", "IID", {"algorithm": "fedsgd", "rounds": rounds_fedsgd},
+                 (0.1,), paper=40, baseline=True),
+            Cell("avg", "FedAvg", "IID", {"algorithm": "fedavg", "local_epochs": 1,
+                                          "batch_size": 10, "rounds": 8},
+                 (0.1, 0.001), paper=5),
+        ],
+    )
+
+
+def test_cells_validate_and_the_registered_experiments_build_their_configs():
+    for experiment in EXPERIMENTS.values():
+        for cell in getattr(experiment, "full", []) + list(getattr(experiment, "quick", [])):
+            for lr in cell.lr_grid:
+                config = cell_config(experiment, cell, lr)
+                assert config.client_lr == lr or cell.lr_key != "client_lr"
+
+
+def test_speedups_ratio_check_and_the_grid_cap():
+    cells = [
+        {"group": "g", "baseline": True, "paper": 100, "rounds_to_target": 50.0,
+         "rounds_cap": 200},
+        {"group": "g", "baseline": False, "paper": 10, "rounds_to_target": 10.0,
+         "rounds_cap": 200},
+        {"group": "h", "baseline": True, "paper": 100, "rounds_to_target": None,
+         "rounds_cap": 30},
+        {"group": "h", "baseline": False, "paper": 25, "rounds_to_target": 6.0,
+         "rounds_cap": 200},
+    ]
+    fw._speedups(cells)
+    assert cells[1]["speedup"] == 5.0 and not cells[1]["speedup_bound"]
+    assert cells[1]["paper_speedup"] == 10.0
+    assert cells[3]["speedup"] == 5.0 and cells[3]["speedup_bound"]  # >= 30 / 6
+    assert fw._ratio_check(cells[1]).startswith("✓ 1.00")
+    assert fw._ratio_check({"rounds_to_target": 50.0, "paper": 10}).startswith("✗ 5.00")
+    assert "missed" in fw._ratio_check(cells[2])
+
+    experiment = _tiny_experiment()
+    cell = experiment.quick[1]
+    assert fw._cap(experiment, cell, []) is None
+    # best so far 3.5 rounds, evaluations every round: a later point stops after round 5
+    assert fw._cap(experiment, cell, [(0.1, {"rounds_to_target": 3.5})]) == 5
+
+
+def test_reproduce_picks_the_best_lr_writes_the_report_and_reuses_runs(tmp_path):
+    experiment = _tiny_experiment()
+    out = tmp_path / "rep"
+    logs = []
+    results = fw.reproduce(experiment, out, quick=True, progress=False, log=logs.append)
+    sgd, avg = results["cells"]
+    # lr 0.001 cannot reach 85% in 8 rounds of 60 steps; 0.1 reaches it within 2 rounds
+    assert avg["lr"] == 0.1 and avg["rounds_to_target"] is not None
+    assert avg["rounds_to_target"] <= 2
+    losing = next(p for p in avg["grid"] if p["lr"] == 0.001)
+    assert losing["rounds_to_target"] is None
+    assert losing["rounds_run"] < 8  # stopped at the cap once 0.1 had won
+    # FedSGD with lr 0.1 stays far below 85% in 4 rounds: a miss and a speedup bound
+    assert sgd["rounds_to_target"] is None and sgd["best_test_accuracy"] < 0.85
+    assert avg["speedup_bound"] and avg["speedup"] == pytest.approx(4 / avg["rounds_to_target"])
+    assert avg["paper_speedup"] == 8.0
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["cells"][1]["lr"] == 0.1 and saved["quick"] is True
+    report = (out / "report.md").read_text()
+    assert "| FedAvg | 1 | 10 | IID | 0.1" in report and "missed" in report
+    assert (out / "IID.png").stat().st_size > 1000
+    curve = avg["curve"]
+    assert curve["round"][-1] == math.ceil(avg["rounds_to_target"])
+
+    # A second invocation reuses every finished run and reports the same numbers.
+    logs.clear()
+    again = fw.reproduce(experiment, out, quick=True, progress=False, log=logs.append)
+    assert sum("(reused)" in line for line in logs) == 3
+    assert [c["rounds_to_target"] for c in again["cells"]] == [
+        c["rounds_to_target"] for c in results["cells"]]
+
+
+def test_the_command_lists_experiments_and_rejects_unknown_names(capsys):
+    assert main(["reproduce", "--list"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("fedavg-mnist-2nn", "fedavg-mnist-cnn"):
+        assert name in listed
+    assert main(["reproduce", "no-such-thing"]) == 2
+    assert "available:" in capsys.readouterr().err
