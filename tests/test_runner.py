@@ -133,3 +133,27 @@ def test_fedax_run_builds_every_algorithm_family(tmp_path, algorithm, extra):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["algorithm"] == algorithm
     assert summary["final_test_accuracy"] > 0.3
+
+
+def test_devices_flag_shards_the_cohort_and_gives_one_devices_numbers(tmp_path):
+    """`fedax run --devices N` (in a fresh process, as JAX reads the device count once)."""
+    import os
+    import subprocess
+    import sys
+
+    outs = {}
+    for n in (1, 2):
+        out = tmp_path / f"d{n}"
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "FEDAX_DEVICES")}
+        subprocess.run(
+            [sys.executable, "-m", "fedax.cli.main", "run", "mnist_2nn_noniid_fedavg",
+             "--set", "rounds=2", "--set", "eval_every=1", "--set", "partition=iid",
+             "--out", str(out), "--no-progress", "--devices", str(n)],
+            check=True, env=env, capture_output=True, timeout=300,
+        )
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["execution"]["devices"] == n
+        outs[n] = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    for a, b in zip(outs[1], outs[2], strict=True):
+        assert a["test_accuracy"] == b["test_accuracy"]
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)

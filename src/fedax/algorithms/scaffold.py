@@ -35,6 +35,13 @@ Implementation notes:
   rows by ``cohort.client_ids`` and scatters c_i⁺ back for the clients with
   ``num_examples > 0`` only (the runner's padding clients carry id 0 and must not overwrite
   client 0). The real clients of a cohort must have distinct ids.
+* **Cohort slots** (``cohort_slots=C``) for populations too large for that table: the state
+  then holds only C rows, slot j being the c_i of the cohort's j-th client (padding
+  included), read and written in place; ``cohort.client_ids`` are not used. The caller keeps
+  the population's c_i elsewhere and fills the slots before each round, reading c_i⁺ back
+  after (``fedax.simulation.population``: a host-memory or memory-mapped
+  ``ClientStateStore``, so only the cohort's rows move). Same update code, same numbers; the
+  c-update still divides by N = ``num_clients``.
 * The client optimizer is plain SGD with ``client_lr`` (Option II's formula assumes it).
 
 Communication per round is twice FedAvg's, as in the paper: (x, c) down, (Δy_i, Δc_i) up.
@@ -60,7 +67,9 @@ class ScaffoldState(NamedTuple):
       params: the server model x.
       server_opt_state: the server optimizer's state.
       control: the server control variate c (shaped like ``params``).
-      client_controls: every client's c_i, leaves ``[num_clients, *param.shape]``.
+      client_controls: every client's c_i, leaves ``[num_clients, *param.shape]``; with
+        ``cohort_slots=C``, the cohort's c_i only, leaves ``[C, *param.shape]`` (slot j is
+        the cohort's j-th client).
       round: the number of rounds run.
     """
 
@@ -98,6 +107,7 @@ def scaffold(
     option: Literal["I", "II"] = "II",
     server_optimizer: optax.GradientTransformation | None = None,
     weighting: Literal["uniform", "num_examples"] = "uniform",
+    cohort_slots: int | None = None,
 ) -> FederatedAlgorithm:
     """SCAFFOLD, vectorized over the cohort, with the population's c_i in the state.
 
@@ -111,6 +121,11 @@ def scaffold(
         ``optax.sgd(1.0)``, i.e. η_g = 1. ``optax.sgd(η_g)`` is the paper's global step.
       weighting: ``"uniform"`` (the paper's 1/|S| mean of y_i − x) or ``"num_examples"``
         (n_k-weighted, as FedAvg).
+      cohort_slots: None (default): the state holds all ``num_clients`` c_i, gathered and
+        scattered by ``cohort.client_ids``. An int C: the state holds C slots, one per cohort
+        position (every cohort must have exactly C clients, padding included), which the
+        caller fills with the cohort's c_i before each round and reads back after (see the
+        module notes; ``fedax.simulation.population.run_population`` does this).
 
     Returns:
       A ``FederatedAlgorithm`` with ``ScaffoldState``. Metrics, as FedAvg's: ``train_loss``
@@ -125,6 +140,12 @@ def scaffold(
         )
     if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
         raise ValueError(f"num_clients must be a positive int, got {num_clients!r}.")
+    if cohort_slots is not None and (
+        isinstance(cohort_slots, bool) or not isinstance(cohort_slots, int) or cohort_slots < 1
+    ):
+        raise ValueError(f"cohort_slots must be None or a positive int, got {cohort_slots!r}.")
+    # Rows of state.client_controls: the population, or one slot per cohort position.
+    table_rows = num_clients if cohort_slots is None else cohort_slots
     server_optimizer = server_optimizer or optax.sgd(1.0)
     client_optimizer = optax.sgd(client_lr)
 
@@ -132,7 +153,7 @@ def scaffold(
         del key
         control = jax.tree.map(jnp.zeros_like, params)
         client_controls = jax.tree.map(
-            lambda p: jnp.zeros((num_clients, *jnp.shape(p)), jnp.result_type(p)), params
+            lambda p: jnp.zeros((table_rows, *jnp.shape(p)), jnp.result_type(p)), params
         )
         return ScaffoldState(
             params,
@@ -190,7 +211,14 @@ def scaffold(
         del key
         size = cohort.num_examples.shape[0]
         active = cohort.num_examples > 0
-        ids = cohort.client_ids
+        if cohort_slots is None:
+            ids = cohort.client_ids
+        elif size == cohort_slots:
+            ids = jnp.arange(size, dtype=jnp.int32)  # slot j holds the j-th client's c_i
+        else:
+            raise ValueError(
+                f"SCAFFOLD with cohort_slots={cohort_slots} got a cohort of {size} clients."
+            )
         c_i = jax.tree.map(lambda pop: pop[ids], state.client_controls)
         deltas, delta_c, c_plus, losses, steps = fed.map_clients(
             client_update,
@@ -215,7 +243,7 @@ def scaffold(
             fed.sum(delta_c),
         )
         # Scatter c_i⁺ back; non-participants get an out-of-range index and are dropped.
-        rows = jnp.where(active, ids, num_clients)
+        rows = jnp.where(active, ids, table_rows)
         client_controls = _scatter_rows(state.client_controls, rows, c_plus)
         metrics = {
             "train_loss": fed.weighted_mean(losses, cohort.num_examples),

@@ -146,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
              "(metrics.jsonl, final model) is identical to an uninterrupted run's, elapsed_s "
              "aside. Without a checkpoint, the run starts from round 0",
     )
+    run.add_argument(
+        "--devices", type=_positive_int, metavar="N",
+        help="shard each cohort over N devices (CPU: the host split into N XLA devices; "
+             "default one per core. GPU: the first N). Results equal one device's")
     run.set_defaults(func=cmd_run)
 
     demo = sub.add_parser("demo", help="FedAvg vs FedSGD, 2NN, non-IID MNIST (Table 1)")
@@ -153,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a key in both configs")
     demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument(
+        "--devices", type=_positive_int, metavar="N",
+        help="shard each cohort over N devices (CPU: the host split into N XLA devices; "
+             "default one per core. GPU: the first N). Results equal one device's")
     demo.set_defaults(func=cmd_demo)
 
     rep = sub.add_parser(
@@ -164,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="report directory (default runs/reproduce/NAME[-quick]); "
                                    "rerunning into it reuses and resumes finished runs")
     rep.add_argument("--no-progress", action="store_true", help="no progress bars")
+    rep.add_argument(
+        "--devices", type=_positive_int, metavar="N",
+        help="shard each cohort over N devices (CPU: the host split into N XLA devices; "
+             "default one per core. GPU: the first N). Results equal one device's")
     rep.set_defaults(func=cmd_reproduce)
 
     data = sub.add_parser("data", help="data set commands")
@@ -174,19 +186,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def split_host_into_devices() -> None:
-    """On CPU, expose one XLA device per core (before JAX starts), so that a cohort can be
-    spread over the cores: one single-threaded client program per core is the fastest form
-    on XLA:CPU. Respects a device count already set in XLA_FLAGS."""
+def split_host_into_devices(devices: int | None = None) -> None:
+    """Before JAX starts: on CPU, expose ``devices`` XLA devices (default one per core), so
+    that a cohort can be spread over the cores: one single-threaded client program per
+    core is the fastest form on XLA:CPU. A count already in XLA_FLAGS is kept unless
+    ``devices`` is given. With ``devices``, the runs also use only that many devices
+    (``$FEDAX_DEVICES``; on GPU the first N)."""
     flags = os.environ.get("XLA_FLAGS", "")
+    if devices is not None:
+        flags = " ".join(f for f in flags.split()
+                         if "xla_force_host_platform_device_count" not in f)
+        os.environ["FEDAX_DEVICES"] = str(devices)
     if "xla_force_host_platform_device_count" not in flags:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cores}"
+        count = devices if devices is not None else cores
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
-    split_host_into_devices()
     args = build_parser().parse_args(argv)
+    split_host_into_devices(getattr(args, "devices", None))
     try:
         return args.func(args)
     except ConfigError as err:

@@ -9,13 +9,21 @@ from fedax.simulation.checkpoint import (
     save_checkpoint,
 )
 from fedax.simulation.execution import Execution, choose_execution, use_execution
+from fedax.simulation.population import (
+    ClientStateStore,
+    VirtualPopulation,
+    run_population,
+    sample_cohort,
+)
 from fedax.simulation.runner import History, make_evaluator, rounds_to_target, run
 
 __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointWarning",
+    "ClientStateStore",
     "Execution",
+    "VirtualPopulation",
     "History",
     "choose_execution",
     "latest_checkpoint",
@@ -23,6 +31,8 @@ __all__ = [
     "make_evaluator",
     "rounds_to_target",
     "run",
+    "run_population",
+    "sample_cohort",
     "save_checkpoint",
     "use_execution",
 ]

@@ -15,6 +15,7 @@ user can override it.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -85,8 +86,13 @@ def choose_execution(
       beats one program using both cores (measured on a 2-core machine, 2NN, 10 clients,
       E = 1, B = 10: vmap 0.65 s, sequential 0.47 s per round on one device; sequential
       0.17 s on one device vs 0.10 s over two; see ``benchmarks/``).
+
+    ``devices="auto"`` is ``$FEDAX_DEVICES`` when set (the ``--devices N`` flag of the
+    ``fedax`` command sets it), else every device.
     """
     backend = backend or jax.default_backend()
+    if devices == "auto":
+        devices = os.environ.get("FEDAX_DEVICES", "auto")
     default_map = "sequential" if backend == "cpu" else "vmap"
     return Execution(
         default_map if map_choice == "auto" else map_choice,
