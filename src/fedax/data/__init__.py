@@ -12,6 +12,7 @@ from fedax.data.client_data import (
 from fedax.data.fashion_mnist import fetch_fashion_mnist, load_fashion_mnist
 from fedax.data.mnist import fetch_mnist, load_mnist
 from fedax.data.partition import dirichlet, iid, pathological, similarity, unbalanced
+from fedax.data.shakespeare import fetch_shakespeare, load_shakespeare
 from fedax.data.synthetic import synthetic
 
 __all__ = [
@@ -22,9 +23,11 @@ __all__ = [
     "dirichlet",
     "fetch_fashion_mnist",
     "fetch_mnist",
+    "fetch_shakespeare",
     "iid",
     "load_fashion_mnist",
     "load_mnist",
+    "load_shakespeare",
     "make_cohort",
     "num_local_steps",
     "pathological",

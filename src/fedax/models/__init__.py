@@ -5,20 +5,25 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from fedax.models.base import Model, Params, param_count
+from fedax.models.linear import logistic
 from fedax.models.losses import (
     accuracy,
     masked_mean,
     per_example_cross_entropy,
     softmax_cross_entropy,
+    token_accuracy,
+    token_cross_entropy,
 )
+from fedax.models.lstm import char_lstm, char_lstm_param_count
 from fedax.models.mnist import cnn, conv2d, glorot_uniform, max_pool_2x2, mlp_2nn
 
-_REGISTRY: dict[str, Callable[..., Model]] = {"2nn": mlp_2nn, "cnn": cnn}
+_REGISTRY: dict[str, Callable[..., Model]] = {"2nn": mlp_2nn, "cnn": cnn, "logistic": logistic,
+                                             "char_lstm": char_lstm}
 MODEL_NAMES = tuple(_REGISTRY)
 
 
 def get_model(name: str, **kwargs) -> Model:
-    """The model registered as ``name`` ("2nn" or "cnn"), built with ``kwargs``.
+    """The model registered as ``name`` (one of ``MODEL_NAMES``), built with ``kwargs``.
 
     Raises:
         ValueError: ``name`` is not registered; the message lists the allowed names.
@@ -33,14 +38,19 @@ __all__ = [
     "Model",
     "Params",
     "accuracy",
+    "char_lstm",
+    "char_lstm_param_count",
     "cnn",
     "conv2d",
     "get_model",
     "glorot_uniform",
+    "logistic",
     "masked_mean",
     "max_pool_2x2",
     "mlp_2nn",
     "param_count",
     "per_example_cross_entropy",
     "softmax_cross_entropy",
+    "token_accuracy",
+    "token_cross_entropy",
 ]

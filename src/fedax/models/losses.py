@@ -48,3 +48,43 @@ def accuracy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None
     """Fraction of (unmasked) examples with ``argmax(logits) == label``; 0 if none."""
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(logits.dtype)
     return masked_mean(correct, mask)
+
+
+def _token_weights(labels: jax.Array, mask: jax.Array | None, pad_id: int) -> jax.Array:
+    """Float weights ``[..., T]``: 1 for a non-pad target of a real (unmasked) sequence."""
+    weights = (labels != pad_id).astype(jnp.float32)
+    if mask is not None:
+        weights = weights * (jnp.asarray(mask) != 0).astype(jnp.float32)[..., None]
+    return weights
+
+
+def token_cross_entropy(
+    logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None, pad_id: int = 0
+) -> jax.Array:
+    """Mean next-token cross-entropy over the non-pad targets of the real sequences.
+
+    Args:
+        logits: ``[..., T, V]`` float.
+        labels: ``[..., T]`` integer token ids; ``pad_id`` marks padding.
+        mask: optional ``[...]`` 0/1 (or bool) per sequence; 0 marks a padded sequence.
+        pad_id: The padding id, ignored wherever it is the target.
+
+    Returns:
+        A scalar: ``sum_t w_t * CE_t / max(sum_t w_t, 1)`` with ``w_t = mask * (label_t !=
+        pad_id)``; exactly 0 (zero gradient) when nothing is real.
+    """
+    return masked_mean(
+        per_example_cross_entropy(logits, labels), _token_weights(labels, mask, pad_id)
+    )
+
+
+def token_accuracy(
+    logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None, pad_id: int = 0
+) -> jax.Array:
+    """Fraction of non-pad targets of real sequences with ``argmax(logits) == label``.
+
+    The Shakespeare metric of McMahan et al. (next-character accuracy); arguments as in
+    :func:`token_cross_entropy`.
+    """
+    correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+    return masked_mean(correct, _token_weights(labels, mask, pad_id))
