@@ -39,6 +39,10 @@ VALID = {
     "stop_at_target": False,
     "checkpoint_every": 10,
     "execution": {"strategy": "vmap", "local_steps": "scan", "devices": 2},
+    "synthetic": {"alpha": 1.0, "beta": 1.0, "iid": False},
+    "shakespeare": {"max_clients": None, "sample": "chunk", "seq_len": 80},
+    "stragglers": 0.0,
+    "drop_stragglers": False,
 }
 
 

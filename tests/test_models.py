@@ -190,7 +190,7 @@ def test_accuracy_with_mask():
 
 
 def test_registry():
-    assert MODEL_NAMES == ("2nn", "cnn")
+    assert MODEL_NAMES == ("2nn", "cnn", "logistic", "char_lstm")
     params = get_model("cnn", conv_impl="patches").init(jax.random.key(0))
     assert param_count(params) == 1_663_370
     with pytest.raises(ValueError, match="'resnet'.*2nn, cnn"):

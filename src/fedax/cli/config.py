@@ -89,6 +89,18 @@ class ServerConfig(_Section):
     tau: Number = Field(1e-3, gt=0, allow_inf_nan=False)
 
 
+class ShakespeareConfig(_Section):
+    """The Shakespeare data set of McMahan et al. (2017), ``dataset: shakespeare``: one
+    client per speaking role (``partition: natural``) or the balanced IID variant
+    (``partition: iid``). ``max_clients`` keeps a seeded random subset of the roles (the full
+    1,294 clients are heavy for a CPU); ``sample``: ``chunk`` (non-overlapping 80-character
+    windows of a role's text) or ``line`` (one sample per printed line)."""
+
+    max_clients: int | None = Field(None, gt=0)
+    sample: Literal["chunk", "line"] = "chunk"
+    seq_len: int = Field(80, gt=1)
+
+
 class SyntheticConfig(_Section):
     """Synthetic(α, β) of Li et al. (FedProx, 2020), ``dataset: synthetic``: α spreads the
     local models, β the local input means (standard deviations); ``iid`` generates the IID
@@ -119,7 +131,7 @@ class Config(_Section):
 
     seed: int = Field(0, ge=0)
     rounds: int = Field(gt=0)
-    dataset: Literal["mnist", "fashion_mnist", "synthetic"] = "mnist"
+    dataset: Literal["mnist", "fashion_mnist", "synthetic", "shakespeare"] = "mnist"
     num_clients: int = Field(100, gt=0)
     # natural: the data set's own clients (synthetic's devices; filled in for it)
     partition: Literal["iid", "pathological", "unbalanced", "dirichlet", "similarity",
@@ -127,7 +139,8 @@ class Config(_Section):
     dirichlet_alpha: Number = Field(0.1, gt=0, allow_inf_nan=False)  # partition: dirichlet
     similarity: Number = Field(0.0, ge=0, le=1)  # partition: similarity (SCAFFOLD's s)
     synthetic: SyntheticConfig = SyntheticConfig()  # dataset: synthetic
-    model: Literal["2nn", "cnn", "logistic"]
+    shakespeare: ShakespeareConfig = ShakespeareConfig()  # dataset: shakespeare
+    model: Literal["2nn", "cnn", "logistic", "char_lstm"]
     algorithm: Literal[
         "fedavg", "fedsgd", "fedprox", "scaffold", "scaffold_option1", "fedadagrad", "fedadam",
         "fedyogi", "fedamsgrad", "fedavgm",
@@ -158,7 +171,7 @@ class Config(_Section):
     @model_validator(mode="before")
     @classmethod
     def _natural_partition(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and data.get("dataset") == "synthetic":
+        if isinstance(data, Mapping) and data.get("dataset") in ("synthetic", "shakespeare"):
             data = {"partition": "natural", **data}
         return data
 
@@ -171,16 +184,26 @@ class Config(_Section):
                 f"must be 'natural' for dataset 'synthetic' (its clients are the generated"
                 f" devices; omit the key), got {value!r}"
             )
-        if value == "natural" and dataset is not None and dataset != "synthetic":
+        if dataset == "shakespeare" and value not in ("natural", "iid"):
             raise ValueError(
-                f"'natural' needs a data set with its own clients (synthetic), got dataset"
-                f" {dataset!r}"
+                f"must be 'natural' (one client per role) or 'iid' (the balanced IID variant)"
+                f" for dataset 'shakespeare', got {value!r}"
+            )
+        if value == "natural" and dataset not in (None, "synthetic", "shakespeare"):
+            raise ValueError(
+                f"'natural' needs a data set with its own clients (synthetic, shakespeare),"
+                f" got dataset {dataset!r}"
             )
         return value
 
     @field_validator("model")
     @classmethod
     def _model_fits_dataset(cls, value: Any, info: ValidationInfo) -> Any:
+        if (info.data.get("dataset") == "shakespeare") != (value == "char_lstm"):
+            raise ValueError(
+                f"dataset 'shakespeare' and model 'char_lstm' go together, got model {value!r}"
+                f" for dataset {info.data.get('dataset')!r}"
+            )
         if info.data.get("dataset") == "synthetic" and value != "logistic":
             raise ValueError(
                 f"must be 'logistic' for dataset 'synthetic' (60 features, not images), got"

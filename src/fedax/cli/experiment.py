@@ -21,7 +21,13 @@ import optax
 from fedax import data as fdata
 from fedax.algorithms import FederatedAlgorithm
 from fedax.algorithms import make as make_algorithm
-from fedax.cli.config import Config, SyntheticConfig, check_against_data, config_to_dict
+from fedax.cli.config import (
+    Config,
+    ShakespeareConfig,
+    SyntheticConfig,
+    check_against_data,
+    config_to_dict,
+)
 from fedax.client import Batches
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.simulation import Execution, History, choose_execution, make_evaluator, run
@@ -60,7 +66,8 @@ def server_optimizer(config: Config) -> optax.GradientTransformation:
     return optax.adam(server.lr)
 
 
-def build_algorithm(config: Config, apply_fn, *, sequence: bool = False) -> FederatedAlgorithm:
+def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
+                    num_clients: int | None = None) -> FederatedAlgorithm:
     """The config's algorithm on ``apply_fn``'s model with the cross-entropy loss (per token,
     PAD targets ignored, when ``sequence``)."""
 
@@ -83,7 +90,7 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False) -> Fede
         options = dict(server_optimizer=server_optimizer(config))
         if name == "fedprox":
             options["mu"] = config.mu
-    return make_algorithm(name, loss_fn, num_clients=config.num_clients,
+    return make_algorithm(name, loss_fn, num_clients=num_clients or config.num_clients,
                           client_lr=config.client_lr, **options)
 
 
@@ -163,12 +170,34 @@ def _synthetic_data(config: Config) -> FederatedData:
     return FederatedData(train, test.x, test.y, _linear_kwargs(config, train.x, train.y))
 
 
+_SHAKESPEARE: dict[tuple, dict[str, Any]] = {}
+
+
+def _shakespeare_data(config: Config) -> FederatedData:
+    """Shakespeare by role (``partition: natural``) or its balanced IID variant, the test
+    lines of every role pooled into the test set; next-character prediction."""
+    options = config.shakespeare
+    key = (config.partition == "iid", options.seq_len, options.max_clients, options.sample,
+           config.seed)
+    if key not in _SHAKESPEARE:
+        _SHAKESPEARE.clear()
+        _SHAKESPEARE[key] = fdata.load_shakespeare(
+            iid=key[0], seq_len=options.seq_len, max_clients=options.max_clients,
+            sample=options.sample, seed=config.seed)
+    arrays = _SHAKESPEARE[key]
+    train = fdata.ClientData.from_partition(arrays["x_train"], arrays["y_train"],
+                                            arrays["train_partition"])
+    return FederatedData(train, arrays["x_test"], arrays["y_test"],
+                         {"vocab_size": int(arrays["vocab_size"])})
+
+
 # config.dataset -> builder. A data set whose labels are [N, T] (sequences) is trained and
 # evaluated per token, PAD (id 0) targets ignored.
 DATA_BUILDERS: dict[str, Callable[[Config], FederatedData]] = {
     "mnist": _image_data,
     "fashion_mnist": _image_data,
     "synthetic": _synthetic_data,
+    "shakespeare": _shakespeare_data,
 }
 
 
@@ -182,6 +211,7 @@ def build_data(config: Config) -> FederatedData:
 # Keys added after checkpoints existed: left out of the fingerprint at their defaults, so
 # those checkpoints still resume.
 _LATER_KEYS = {"synthetic": SyntheticConfig().model_dump(mode="json"),
+               "shakespeare": ShakespeareConfig().model_dump(mode="json"),
                "stragglers": 0.0, "drop_stragglers": False}
 
 
@@ -211,7 +241,8 @@ def run_experiment(
     import jax
 
     params = jax.jit(model.init)(jax.random.key(config.seed))
-    algorithm = build_algorithm(config, model.apply, sequence=data.y_test.ndim > 1)
+    algorithm = build_algorithm(config, model.apply, sequence=data.y_test.ndim > 1,
+                                num_clients=train.num_clients)
     evaluate = make_evaluator(model.apply, data.x_test, data.y_test)
     execution: Execution = choose_execution(
         config.execution.strategy, config.execution.local_steps, config.execution.devices

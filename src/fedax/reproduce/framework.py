@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fedax.cli.config import Config, ConfigError, config_to_dict, validate_config
+from fedax.simulation.checkpoint import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -204,10 +205,15 @@ def run_one(
             return _with_records(experiment, done, out)
         shutil.rmtree(out)  # another config: start over
     runner = experiment.runner or _default_runner
+    label = f"{cell.method} lr={lr:g}"
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="resume: no checkpoint")
-        summary = runner(config, out, progress=progress, resume=True,
-                         label=f"{cell.method} lr={lr:g}")
+        try:
+            summary = runner(config, out, progress=progress, resume=True, label=label)
+        except CheckpointError:
+            # Checkpoints of another config (e.g. the cell's rounds changed): start over.
+            shutil.rmtree(out)
+            summary = runner(config, out, progress=progress, resume=True, label=label)
     return _with_records(experiment, summary, out)
 
 
@@ -253,6 +259,7 @@ def run_cell(experiment: Experiment, cell: Cell, out_dir: Path, *, progress: boo
         "rounds_run": best["rounds_run"],
         "rounds_cap": config.rounds,
         "rounds_to_target": best.get("rounds_to_target"),
+        "target_accuracy": config.target_accuracy,
         "best_test_accuracy": best["best_test_accuracy"],
         "final_test_accuracy": best["final_test_accuracy"],
         "last_accuracy": best["last_accuracy"],
@@ -299,6 +306,13 @@ def _fmt(value: Any, digits: int = 0) -> str:
     return str(value)
 
 
+def _fmt_column(value: Any) -> str:
+    """A config value in the table: floats as written (0.5, 0.001), not rounded."""
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:g}"
+    return _fmt(value)
+
+
 def _ratio_check(cell: dict[str, Any]) -> str:
     """Within 2x of the paper? '✓', '✗ (1.3x the paper)', or the reason it cannot say."""
     ours, paper = cell["rounds_to_target"], cell["paper"]
@@ -322,6 +336,7 @@ def figures(experiment: Experiment, cells: list[dict[str, Any]], out: Path,
     for group in dict.fromkeys(c["group"] for c in cells):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         members = [c for c in cells if c["group"] == group]
+        group_target = members[0].get("target_accuracy", target)  # a cell may set its own
         accs = []
         for c in members:
             label = (f"{c['method']} E={c['local_epochs']} B={c['batch_size']} "
@@ -331,12 +346,12 @@ def figures(experiment: Experiment, cells: list[dict[str, Any]], out: Path,
             ax.plot(c["curve"]["round"], c["curve"]["test_accuracy"], label=label,
                     linewidth=1.2)
             accs += c["curve"]["test_accuracy"]
-        if target is not None:
-            ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
+        if group_target is not None:
+            ax.axhline(group_target, color="gray", linestyle="--", linewidth=0.8)
         if accs:
             lo = sorted(accs)[len(accs) // 20]
             top = min(1.0, max(accs) + 0.02)
-            ax.set_ylim(max(0.0, min(lo, (target or top) - 0.05)), top)
+            ax.set_ylim(max(0.0, min(lo, (group_target or top) - 0.05)), top)
         ax.set_xlabel("communication rounds")
         ax.set_ylabel("test accuracy")
         ax.set_title(f"{experiment.title}: {group}", fontsize=9)
@@ -379,8 +394,10 @@ def write_report(experiment: Experiment, results: dict[str, Any], out: Path) -> 
         "",
     ]
     if experiment.metric == "rounds_to_target":
+        several = len({c.get("target_accuracy", target) for c in cells}) > 1
+        goal = "each cell's target" if several else f"{target:.0%}"
         lines += [
-            f"Rounds to {target:.0%} test accuracy (best-so-far curve, linear interpolation; "
+            f"Rounds to {goal} test accuracy (best-so-far curve, linear interpolation; "
             "— = not reached within the cap). Speedup = the group's FedSGD rounds / the "
             "cell's rounds (≥ when FedSGD missed within its cap).",
             "",
@@ -399,7 +416,7 @@ def write_report(experiment: Experiment, results: dict[str, Any], out: Path) -> 
             "rounds", "wall s"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for c in cells:
-        cols = [_fmt(c["config"].get(k, c.get(k))) for k in experiment.columns]
+        cols = [_fmt_column(c["config"].get(k, c.get(k))) for k in experiment.columns]
         lr = f"{c['lr']:g}" + (" (edge)" if c["lr_at_grid_edge"] else "")
         if experiment.metric == "rounds_to_target":
             speed = c["speedup"]
@@ -444,7 +461,7 @@ def write_report(experiment: Experiment, results: dict[str, Any], out: Path) -> 
     return text
 
 
-_COLUMN_NAMES = {"local_epochs": "E", "batch_size": "B"}
+_COLUMN_NAMES = {"local_epochs": "E", "batch_size": "B", "target_accuracy": "target"}
 
 
 def reproduce(

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from fedax.algorithms import CohortBatches, FederatedAlgorithm
+from fedax.algorithms import CohortBatches, FederatedAlgorithm, straggler_epochs
+from fedax.algorithms import drop_stragglers as drop_stragglers_fn
 from fedax.client import Batches
 from fedax.data import ClientData, Cohort, make_cohort, num_local_steps, sample_clients
 from fedax.simulation import checkpoint as ckpt
@@ -197,6 +198,8 @@ def run(
     checkpoint_every: int = 0,
     resume: bool = False,
     fingerprint: Mapping[str, Any] | None = None,
+    straggler_fraction: float = 0.0,
+    drop_stragglers: bool = False,
 ) -> History:
     """Run ``rounds`` rounds of ``algorithm`` on ``train``, evaluating every ``eval_every``.
 
@@ -226,6 +229,16 @@ def run(
       fingerprint: items identifying the run that the runner cannot see, e.g. the
         experiment config the algorithm was built from; stored in every checkpoint and
         compared on resume.
+      straggler_fraction: FedProx's systems heterogeneity (Li et al. 2020, §5): each round,
+        ``straggler_epochs(rng, C, E, straggler_fraction)`` (drawn from the round's rng after
+        the cohort is sampled) gives every client its epochs; a straggler runs U{1..E}
+        epochs and its unused steps are padding. 0 (default) draws nothing, so runs are
+        bit-identical to runs without stragglers. The step count S stays that of E epochs,
+        so the round compiles once.
+      drop_stragglers: give the clients that ran fewer than E epochs weight 0
+        (``drop_stragglers``; FedAvg's treatment in the paper) instead of aggregating their
+        partial work. Requires ``round(straggler_fraction * C) < C``, so that at least one
+        client of every cohort runs E epochs.
 
     Returns:
       The ``History`` of evaluation records (restored ones included), with the final
@@ -237,6 +250,15 @@ def run(
         raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}.")
     if (checkpoint_every or resume) and checkpoint_dir is None:
         raise ValueError("checkpoint_every > 0 and resume=True need a checkpoint_dir.")
+    if not 0.0 <= straggler_fraction <= 1.0:
+        raise ValueError(f"straggler_fraction must be in [0, 1], got {straggler_fraction}.")
+    cohort_size = len(sample_clients(0, train.num_clients, client_fraction))
+    if drop_stragglers and round(straggler_fraction * cohort_size) >= cohort_size:
+        raise ValueError(
+            f"drop_stragglers with straggler_fraction={straggler_fraction} makes all "
+            f"{cohort_size} clients of a cohort stragglers; a round could drop every client "
+            "(no weight to average). Use a smaller fraction or keep the stragglers."
+        )
     execution = execution or choose_execution()
     sizes = train.sizes
     # Fixed shapes for every round (no recompilation): B = ∞ is one full batch of the
@@ -251,6 +273,9 @@ def run(
             batch_size=batch_size, seed=seed, eval_every=eval_every,
             target_accuracy=target_accuracy, stop_at_target=stop_at_target,
         )
+        if straggler_fraction or drop_stragglers:  # absent when off: older checkpoints match
+            identity.update(straggler_fraction=straggler_fraction,
+                            drop_stragglers=drop_stragglers)
 
     mesh = execution.mesh()
     pad_to = execution.devices
@@ -308,10 +333,13 @@ def run(
             for t in bar:
                 rng = np.random.default_rng([seed, t])
                 ids = sample_clients(rng, train.num_clients, client_fraction)
-                cohort = _pad_cohort(
-                    make_cohort(train, ids, local_epochs, batch, rng, num_steps=num_steps),
-                    pad_to,
-                )
+                epochs: int | np.ndarray = local_epochs
+                if straggler_fraction:
+                    epochs = straggler_epochs(rng, len(ids), local_epochs, straggler_fraction)
+                cohort = make_cohort(train, ids, epochs, batch, rng, num_steps=num_steps)
+                if drop_stragglers and straggler_fraction:
+                    cohort = drop_stragglers_fn(cohort, epochs < local_epochs)
+                cohort = _pad_cohort(cohort, pad_to)
                 key = jax.random.fold_in(base_key, t)
                 state, metrics = round_fn(
                     state, x_all, y_all, cohort.idx, cohort.mask, cohort.num_examples,
