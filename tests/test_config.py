@@ -246,3 +246,23 @@ def test_new_keys_are_validated(write):
     for override, key in cases:
         with pytest.raises(ConfigError, match=key):
             load_config(write(VALID), [override])
+
+
+def test_shakespeare_goes_with_the_char_lstm_and_its_own_partitions():
+    from fedax.cli.config import ConfigError, validate_config
+
+    base = {"rounds": 1, "dataset": "shakespeare", "model": "char_lstm",
+            "algorithm": "fedavg", "client_fraction": 0.1, "local_epochs": 1,
+            "batch_size": 10, "client_lr": 1.47}
+    assert validate_config(base).partition == "natural"  # one client per role by default
+    assert validate_config({**base, "partition": "iid"}).partition == "iid"
+    cfg = validate_config({**base, "shakespeare": {"max_clients": 5, "sample": "line"}})
+    assert cfg.shakespeare.max_clients == 5 and cfg.shakespeare.sample == "line"
+    with pytest.raises(ConfigError, match="partition.*'natural'.*'iid'"):
+        validate_config({**base, "partition": "pathological"})
+    with pytest.raises(ConfigError, match="char_lstm"):
+        validate_config({**base, "model": "2nn"})
+    with pytest.raises(ConfigError, match="char_lstm"):
+        validate_config({**base, "dataset": "mnist", "partition": "iid"})
+    with pytest.raises(ConfigError, match="shakespeare.max_clients"):
+        validate_config({**base, "shakespeare": {"max_clients": 0}})

@@ -11,7 +11,7 @@ from typing import Any
 
 from fedax.reproduce.fad_client_weights import CLIENT_WEIGHTS
 from fedax.reproduce.fad_server_lr import SERVER_LR
-from fedax.reproduce.fedavg_paper import MNIST_2NN, MNIST_CNN
+from fedax.reproduce.fedavg_paper import MNIST_2NN, MNIST_CNN, SHAKESPEARE
 from fedax.reproduce.fedopt_paper import FEDOPT_FASHION
 from fedax.reproduce.fedprox_paper import FEDPROX_SYNTHETIC
 from fedax.reproduce.framework import (
@@ -28,8 +28,8 @@ from fedax.reproduce.scaffold_paper import SCAFFOLD_MNIST
 
 # Each module defines its experiments; add new ones to this tuple.
 EXPERIMENTS: dict[str, Experiment | CustomExperiment] = {
-    e.name: e for e in (MNIST_2NN, MNIST_CNN, SERVER_LR, CLIENT_WEIGHTS, SCAFFOLD_MNIST,
-                        FEDPROX_SYNTHETIC, FEDOPT_FASHION)
+    e.name: e for e in (MNIST_2NN, MNIST_CNN, SHAKESPEARE, SERVER_LR, CLIENT_WEIGHTS,
+                        SCAFFOLD_MNIST, FEDPROX_SYNTHETIC, FEDOPT_FASHION)
 }
 
 
