@@ -16,7 +16,7 @@ class CohortBatches(NamedTuple):
     """One round's cohort as device arrays (client-placed: leading clients axis C).
 
     Attributes:
-      batches: ``Batches`` with ``x [C, S, B, ...]``, ``y [C, S, B]``, ``mask [C, S, B]``.
+      batches: ``Batches`` with ``x [C, S, B, ...]``, ``y [C, S, B, ...]``, ``mask [C, S, B]``.
       num_examples: ``[C]`` float, n_k of each client (the FedAvg weights).
       client_ids: ``[C]`` int32, population index of each client (for per-client state).
     """

@@ -27,7 +27,8 @@ _STEPS = jax.make_user_context(default_value="scan")  # jit-cache sensitive
 
 
 class Batches(NamedTuple):
-    """One client's local batches: ``x [S, B, ...]``, ``y [S, B]``, ``mask [S, B]``."""
+    """One client's local batches: ``x [S, B, ...]``, ``y [S, B, ...]`` (``[S, B, T]`` for
+    next-token targets), ``mask [S, B]`` (per example)."""
 
     x: jax.Array
     y: jax.Array

@@ -293,8 +293,9 @@ def _speedups(cells: list[dict[str, Any]]) -> None:
             ours, theirs = c["rounds_to_target"], base["rounds_to_target"]
             if ours and theirs:
                 c["speedup"] = theirs / ours
-            elif ours and theirs is None:
-                # The baseline missed within its cap: the speedup is at least cap / ours.
+            elif ours and theirs is None and base["rounds_cap"] > ours:
+                # The baseline missed within its cap: the speedup is at least cap / ours
+                # (shown only when that bound says something, i.e. exceeds 1).
                 c["speedup"], c["speedup_bound"] = base["rounds_cap"] / ours, True
 
 
