@@ -103,3 +103,20 @@ def test_the_command_lists_experiments_and_rejects_unknown_names(capsys):
         assert name in listed
     assert main(["reproduce", "no-such-thing"]) == 2
     assert "available:" in capsys.readouterr().err
+
+
+def test_a_diverging_grid_point_is_a_miss_not_the_end_of_the_reproduction(tmp_path):
+    experiment = Experiment(
+        name="tiny-diverge", title="t", paper="none", base=BASE, full=[],
+        quick=[Cell("avg", "FedAvg", "IID", {"algorithm": "fedavg", "local_epochs": 1,
+                                             "batch_size": 10, "rounds": 3},
+                    (1e4, 0.1))],
+    )
+    results = fw.reproduce(experiment, tmp_path, quick=True, progress=False,
+                           log=lambda _: None)
+    (cell,) = results["cells"]
+    assert cell["lr"] == 0.1 and cell["rounds_to_target"] is not None
+    big = next(p for p in cell["grid"] if p["lr"] == 1e4)
+    assert big["rounds_to_target"] is None
+    saved = json.loads((tmp_path / "runs" / "avg" / "lr_10000" / "summary.json").read_text())
+    assert saved["diverged"] is True

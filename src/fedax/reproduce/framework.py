@@ -209,12 +209,43 @@ def run_one(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="resume: no checkpoint")
         try:
-            summary = runner(config, out, progress=progress, resume=True, label=label)
+            summary = _diverged_as_miss(runner, config, out, wanted, progress, label)
         except CheckpointError:
             # Checkpoints of another config (e.g. the cell's rounds changed): start over.
             shutil.rmtree(out)
-            summary = runner(config, out, progress=progress, resume=True, label=label)
+            summary = _diverged_as_miss(runner, config, out, wanted, progress, label)
     return _with_records(experiment, summary, out)
+
+
+def _diverged_as_miss(runner, config, out, wanted, progress, label) -> dict[str, Any]:
+    try:
+        return runner(config, out, progress=progress, resume=True, label=label)
+    except FloatingPointError:
+        return _diverged_summary(config, out, wanted)
+
+
+def _diverged_summary(config: Config, out: Path, wanted: dict[str, Any]) -> dict[str, Any]:
+    """A grid point whose model diverged (a learning rate too large) is a point that did not
+    win, not the end of the reproduction: its summary is read from the records it left."""
+    from fedax.simulation import rounds_to_target
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    accs = [r["test_accuracy"] for r in records]
+    target = config.target_accuracy
+    reached = (rounds_to_target([r["round"] for r in records], accs, target)
+               if records and target is not None else None)
+    summary = {
+        "config": wanted,
+        "rounds_run": records[-1]["round"] if records else 0,
+        "final_test_accuracy": accs[-1] if accs else 0.0,
+        "best_test_accuracy": max(accs) if accs else 0.0,
+        "rounds_to_target": reached,
+        "wall_time_s": records[-1]["elapsed_s"] if records else 0.0,
+        "diverged": True,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def _with_records(experiment: Experiment, summary: dict[str, Any], out: Path) -> dict:
