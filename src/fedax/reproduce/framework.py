@@ -229,8 +229,7 @@ def _diverged_summary(config: Config, out: Path, wanted: dict[str, Any]) -> dict
     win, not the end of the reproduction: its summary is read from the records it left."""
     from fedax.simulation import rounds_to_target
 
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
+    records = _read_records(out)
     accs = [r["test_accuracy"] for r in records]
     target = config.target_accuracy
     reached = (rounds_to_target([r["round"] for r in records], accs, target)
@@ -248,9 +247,14 @@ def _diverged_summary(config: Config, out: Path, wanted: dict[str, Any]) -> dict
     return summary
 
 
+def _read_records(out: Path) -> list[dict[str, Any]]:
+    """The evaluation records a run left in ``out/metrics.jsonl``."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
 def _with_records(experiment: Experiment, summary: dict[str, Any], out: Path) -> dict:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
+    records = _read_records(out)
     summary = dict(summary)
     summary["records"] = records
     accs = [r["test_accuracy"] for r in records]
