@@ -28,11 +28,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from fedax import federated as fed
 from fedax.algorithms import CohortBatches, FederatedAlgorithm, straggler_epochs
 from fedax.algorithms import drop_stragglers as drop_stragglers_fn
 from fedax.client import Batches
 from fedax.data import ClientData, Cohort, make_cohort, num_local_steps, sample_clients
 from fedax.simulation import checkpoint as ckpt
+from fedax.simulation.device_data import gather_features, put_features, take
 from fedax.simulation.execution import Execution, choose_execution, use_execution
 
 
@@ -279,16 +281,24 @@ def run(
 
     mesh = execution.mesh()
     pad_to = execution.devices
-    x_all = jnp.asarray(train.x)
-    y_all = jnp.asarray(train.y.astype(np.int32))
+    # The training set lives on the device once (replicated over a mesh), as 8-bit codes
+    # when it is exactly k/255 image data; see fedax.simulation.device_data.
+    replicated = client_block = None
     if mesh is not None:
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        x_all, y_all = jax.device_put((x_all, y_all), replicated)
+        client_block = jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(fed.CLIENTS_AXIS))
+    features = put_features(train.x, replicated)
+    x_all, table = features.values, features.table
+    y_all = jax.device_put(train.y.astype(np.int32), replicated or jax.devices()[0])
 
     # The training set is an argument of the compiled round, not a closed-over constant
-    # (embedding it in the program makes every compilation much slower).
+    # (embedding it in the program makes every compilation much slower). Under a mesh the
+    # cohort arrives sharded over clients, so each device gathers only its own clients.
     def device_round(state, x_all, y_all, idx, mask, num_examples, client_ids, key):
-        batches = Batches(x_all[idx], y_all[idx], mask)
+        spec = None if mesh is None else client_block.spec
+        x, y = gather_features(x_all, table, idx, spec), take(y_all, idx, spec)
+        batches = Batches(x, y, mask)
         return algorithm.round(state, CohortBatches(batches, num_examples, client_ids), key)
 
     def reached(record: dict[str, Any]) -> bool:
@@ -341,9 +351,11 @@ def run(
                     cohort = drop_stragglers_fn(cohort, epochs < local_epochs)
                 cohort = _pad_cohort(cohort, pad_to)
                 key = jax.random.fold_in(base_key, t)
+                idx, mask = cohort.idx, cohort.mask
+                if client_block is not None:  # each device receives its own clients' batches
+                    idx, mask = jax.device_put((idx, mask), client_block)
                 state, metrics = round_fn(
-                    state, x_all, y_all, cohort.idx, cohort.mask, cohort.num_examples,
-                    cohort.client_ids, key,
+                    state, x_all, y_all, idx, mask, cohort.num_examples, cohort.client_ids, key,
                 )
                 record, diverged, stop = None, False, False
                 if (t + 1) % eval_every == 0 or t + 1 == rounds:
