@@ -157,3 +157,24 @@ def test_devices_flag_shards_the_cohort_and_gives_one_devices_numbers(tmp_path):
     for a, b in zip(outs[1], outs[2], strict=True):
         assert a["test_accuracy"] == b["test_accuracy"]
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+
+
+def test_a_run_leaves_the_callers_init_params_usable(small_mnist):
+    """The compiled round donates its state; the runner copies init_params first, so the
+    same params can start a second run (which then gives the same numbers)."""
+    train, _, _ = small_mnist
+    model = get_model("2nn")
+    params = model.init(jax.random.key(0))
+
+    def loss(p, batch):
+        return softmax_cross_entropy(model.apply(p, batch.x), batch.y, batch.mask)
+
+    def once():
+        return run(fedavg(loss, optax.sgd(0.1)), params, train, lambda p: (0.0, 0.0),
+                   rounds=1, client_fraction=0.1, local_epochs=1, batch_size=10)
+
+    first, second = once(), once()
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))
+    for a, b in zip(jax.tree.leaves(first.state.params), jax.tree.leaves(second.state.params),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -99,3 +99,27 @@ def choose_execution(
         "scan" if steps_choice == "auto" else steps_choice,
         jax.device_count() if devices == "auto" else int(devices),
     ).validate()
+
+
+CPU_DOTS = ("eigen", "ynn")
+
+
+def compiler_options(backend: str | None = None) -> dict[str, str] | None:
+    """XLA compiler options for a compiled round on ``backend`` (default: JAX's default).
+
+    On CPU, matrix products are left to XLA's own (Eigen) kernels instead of YNNPACK's,
+    which XLA:CPU picks by default; YNNPACK keeps its reduction fusions. Measured on a
+    2-core AVX2 machine (``benchmarks/bench_cpu_dots.py``): the MNIST CNN's local step
+    ran faster with Eigen products, the 2NN's about the same. Numbers differ from YNNPACK
+    products only in float rounding. ``$FEDAX_CPU_DOTS=ynn`` restores XLA's default
+    (``eigen`` is the default). None on other backends.
+    """
+    backend = backend or jax.default_backend()
+    if backend != "cpu":
+        return None
+    dots = os.environ.get("FEDAX_CPU_DOTS", "eigen")
+    if dots not in CPU_DOTS:
+        raise ValueError(f"FEDAX_CPU_DOTS={dots!r} is not one of {CPU_DOTS}.")
+    if dots == "ynn":
+        return None
+    return {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}

@@ -35,7 +35,12 @@ from fedax.client import Batches
 from fedax.data import ClientData, Cohort, make_cohort, num_local_steps, sample_clients
 from fedax.simulation import checkpoint as ckpt
 from fedax.simulation.device_data import gather_features, put_features, take
-from fedax.simulation.execution import Execution, choose_execution, use_execution
+from fedax.simulation.execution import (
+    Execution,
+    choose_execution,
+    compiler_options,
+    use_execution,
+)
 
 
 def rounds_to_target(
@@ -306,13 +311,15 @@ def run(
                 and record["test_accuracy"] >= target_accuracy)
 
     with use_execution(execution), _maybe_mesh(mesh):
-        round_fn = jax.jit(device_round, donate_argnums=(0,))
+        round_fn = jax.jit(device_round, donate_argnums=(0,),
+                           compiler_options=compiler_options())
         # Trace now, inside the strategy context: the compiled program captures it.
         base_key = jax.random.key(seed)
         state = algorithm.init(init_params, jax.random.fold_in(base_key, -1 & 0x7FFFFFFF))
         # Commit the state where the round leaves it, so round 2 does not recompile.
         home = replicated if mesh is not None else jax.devices()[0]
-        state = jax.device_put(state, home)
+        # (a copy: the round donates its state, and the caller keeps init_params usable)
+        state = jax.device_put(jax.tree.map(jnp.copy, state), home)
         history = History()
         first, elapsed_before = 0, 0.0
         if resume:
