@@ -1,7 +1,7 @@
 """fedax on workload W, one execution strategy per process.
 
     python benchmarks/bench_fedax.py 2nn --strategy default --rounds 5 --warmup 1 --json out.json
-    python benchmarks/bench_fedax.py cnn --strategy sequential:scan:2 --conv-impl patches
+    python benchmarks/bench_fedax.py cnn --strategy sequential:scan:2 --conv-impl lax_vjp
 
 ``--strategy MAP:STEPS:DEVICES`` is an ``Execution(map, steps, devices)``; ``default`` is what
 fedax picks (``choose_execution()``) on a host split like the ``fedax`` command splits it,
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
     parser.add_argument("--strategy", default="default", help="MAP:STEPS:DEVICES or default")
-    parser.add_argument("--conv-impl", choices=("lax", "patches"), default=None,
+    parser.add_argument("--conv-impl", choices=("lax", "patches", "lax_vjp"), default=None,
                         help="CNN convolution form (default: the model's default)")
     parser.add_argument("--host-devices", type=int, default=None,
                         help="XLA host devices (default: DEVICES, or one per core for default)")

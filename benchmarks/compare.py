@@ -54,7 +54,8 @@ def fedax_configs(model: str, strategies: list[str] | None, conv_impls: list[str
     twice. For the CNN, each convolution form in ``conv_impls``; but unless ``all_convs``
     (or explicit ``strategies``), ``lax`` (the model's default form) only with the default
     strategy: every other strategy keeps convolutions inside a loop (scan, lax.map) or
-    vmap, where XLA:CPU runs ``lax`` convolutions several times slower than ``patches``."""
+    vmap, where XLA:CPU runs autodiff's ``lax`` weight-gradient convolutions several times
+    slower than ``patches`` or ``lax_vjp`` (fedax's CPU default)."""
     cores = common.num_cores()
     default = fedax_default(model)
     default_text = f"{default['map']}:{default['steps']}:{default['devices']}"
@@ -84,7 +85,7 @@ def fedax_configs(model: str, strategies: list[str] | None, conv_impls: list[str
             configs.append({"implementation": "fedax", "label": label,
                             "script": "bench_fedax.py", "args": args,
                             "is_default": strategy == "default"
-                            and conv in (None, "auto", "patches")})
+                            and conv in (None, "auto", "lax_vjp")})
     return configs
 
 
@@ -223,7 +224,7 @@ def main(argv=None) -> int:
                         help="comma-separated MAP:STEPS:DEVICES or default (default: all)")
     parser.add_argument("--all-strategies", action="store_true",
                         help="also fedax's unroll:unroll (slow to compile)")
-    parser.add_argument("--conv-impls", default="lax,patches",
+    parser.add_argument("--conv-impls", default="lax_vjp,patches,lax",
                         help="CNN convolution forms for fedax (comma-separated)")
     parser.add_argument("--all-convs", action="store_true",
                         help="CNN: every strategy with every form (default: lax only with "
