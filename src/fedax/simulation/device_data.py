@@ -64,7 +64,8 @@ def gather_features(
     got = take(values, idx, out_sharding)
     if table is None:
         return got
-    return take(jnp.asarray(table), got.astype(jnp.int32), out_sharding)
+    # uint8 codes index the table directly (no int32 copy of the cohort's codes).
+    return take(jnp.asarray(table), got, out_sharding)
 
 
 def take(values: jax.Array, idx: jax.Array, out_sharding=None) -> jax.Array:
