@@ -268,3 +268,36 @@ def test_learned_client_weights_down_weight_mislabelled_clients():
     losses = jnp.array([1.0] * (C // 2) + [0.3] * (C - C // 2))  # noisy clients lose more
     weights = weighting(theta)(train.num_examples, losses)
     assert float(jnp.max(weights[: C // 2])) < float(jnp.min(weights[C // 2 :]))
+
+
+def test_forward_mode_through_a_reverse_only_cnn_names_the_fix():
+    """The CPU CNN default (conv_impl='lax_vjp') has a reverse-mode-only rule: forward-mode
+    hypergradients say what to do; with conv_impl='lax' they equal reverse mode."""
+    from fedax.models import get_model, softmax_cross_entropy
+
+    rng = np.random.default_rng(0)
+    x = rng.uniform(size=(2, 1, 2, 28, 28, 1)).astype(np.float32)  # clients, steps, batch
+    y = rng.integers(0, 10, size=(2, 1, 2)).astype(np.int32)
+    cohort = CohortBatches(Batches(x, y, np.ones((2, 1, 2), np.float32)),
+                           np.ones(2, np.float32), np.arange(2, dtype=np.int32))
+    cohorts = jax.tree.map(lambda a: a[None], cohort)
+    hparams = {"client_lr": jnp.float32(0.1), "server_lr": jnp.float32(1.0)}
+
+    def run(conv_impl, mode):
+        model = get_model("cnn", conv_impl=conv_impl)
+
+        def loss(p, b):
+            return softmax_cross_entropy(model.apply(p, b.x), b.y, b.mask)
+
+        def make(h):
+            return fedavg(loss, optax.sgd(h["client_lr"]), optax.sgd(h["server_lr"]))
+
+        params = model.init(jax.random.key(0))
+        return hypergradient(make, hparams, params, cohorts, cohort, loss, mode=mode)
+
+    with pytest.raises(TypeError, match="conv_impl='lax'"):
+        run("lax_vjp", "forward")
+    _, forward = run("lax", "forward")
+    _, reverse = run("lax_vjp", "reverse")
+    for name in hparams:
+        np.testing.assert_allclose(forward[name], reverse[name], rtol=2e-3, atol=1e-6)

@@ -84,6 +84,17 @@ def hypergradient(
     if mode == "reverse":
         return jax.value_and_grad(f)(hparams)
     if mode == "forward":
-        grads, value = jax.jacfwd(lambda h: (f(h),) * 2, has_aux=True)(hparams)
+        try:
+            grads, value = jax.jacfwd(lambda h: (f(h),) * 2, has_aux=True)(hparams)
+        except TypeError as err:
+            if "custom_vjp" not in str(err):
+                raise
+            raise TypeError(
+                "forward-mode hypergradients need a model that JAX can differentiate in "
+                "forward mode, but it has a reverse-mode-only rule (custom_vjp). On CPU the "
+                "MNIST CNN defaults to conv_impl='lax_vjp': build it with "
+                "get_model('cnn', conv_impl='lax') or conv_impl='patches', or use "
+                "mode='reverse'."
+            ) from err
         return value, grads
     raise ValueError(f"mode must be 'forward' or 'reverse', got {mode!r}.")
