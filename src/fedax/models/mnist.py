@@ -136,13 +136,7 @@ def conv2d(x: jax.Array, kernel: jax.Array, impl: str = "lax") -> jax.Array:
     kh, kw, c_in, c_out = kernel.shape
     pad_h, pad_w = _same_padding(kh), _same_padding(kw)
     if impl == "lax":
-        return jax.lax.conv_general_dilated(
-            x,
-            kernel,
-            window_strides=(1, 1),
-            padding=(pad_h, pad_w),
-            dimension_numbers=("NHWC", "HWIO", "NHWC"),
-        )
+        return _conv_nhwc(x, kernel, (pad_h, pad_w))
     if impl == "patches":
         _, h, w, _ = x.shape
         xpad = jnp.pad(x, ((0, 0), pad_h, pad_w, (0, 0)))

@@ -76,9 +76,8 @@ def take(values: jax.Array, idx: jax.Array, out_sharding=None) -> jax.Array:
 
 
 def put_features(x: np.ndarray, sharding=None, compact: bool = True) -> DeviceFeatures:
-    """Place ``x`` on the device(s) (``sharding``, default the first device), as 8-bit codes
+    """Place ``x`` on the device(s) (``sharding``; None: the default device), as 8-bit codes
     when ``compact`` and ``x`` is exactly k / 255 data (see :func:`byte_codes`)."""
     codes = byte_codes(x) if compact else None
     values, table = (x, None) if codes is None else (codes, BYTE_SCALE_TABLE)
-    target = sharding if sharding is not None else jax.devices()[0]
-    return DeviceFeatures(jax.device_put(values, target), table)
+    return DeviceFeatures(jax.device_put(values, sharding), table)

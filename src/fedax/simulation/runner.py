@@ -286,24 +286,25 @@ def run(
 
     mesh = execution.mesh()
     pad_to = execution.devices
-    # The training set lives on the device once (replicated over a mesh), as 8-bit codes
-    # when it is exactly k/255 image data; see fedax.simulation.device_data.
-    replicated = client_block = None
+    # Where server-side values live (the state, the training set): the first device, or
+    # replicated over the mesh; under a mesh, cohort arrays are split over its clients axis.
+    home, client_block, block_spec = jax.devices()[0], None, None
     if mesh is not None:
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        client_block = jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec(fed.CLIENTS_AXIS))
-    features = put_features(train.x, replicated)
+        home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        block_spec = jax.sharding.PartitionSpec(fed.CLIENTS_AXIS)
+        client_block = jax.sharding.NamedSharding(mesh, block_spec)
+    # The training set lives on the device once, as 8-bit codes when it is exactly k/255
+    # image data; see fedax.simulation.device_data.
+    features = put_features(train.x, home)
     x_all, table = features.values, features.table
-    y_all = jax.device_put(train.y.astype(np.int32), replicated or jax.devices()[0])
+    y_all = jax.device_put(train.y.astype(np.int32), home)
 
     # The training set is an argument of the compiled round, not a closed-over constant
     # (embedding it in the program makes every compilation much slower). Under a mesh the
     # cohort arrives sharded over clients, so each device gathers only its own clients.
     def device_round(state, x_all, y_all, idx, mask, num_examples, client_ids, key):
-        spec = None if mesh is None else client_block.spec
-        x, y = gather_features(x_all, table, idx, spec), take(y_all, idx, spec)
-        batches = Batches(x, y, mask)
+        x = gather_features(x_all, table, idx, block_spec)
+        batches = Batches(x, take(y_all, idx, block_spec), mask)
         return algorithm.round(state, CohortBatches(batches, num_examples, client_ids), key)
 
     def reached(record: dict[str, Any]) -> bool:
@@ -316,9 +317,8 @@ def run(
         # Trace now, inside the strategy context: the compiled program captures it.
         base_key = jax.random.key(seed)
         state = algorithm.init(init_params, jax.random.fold_in(base_key, -1 & 0x7FFFFFFF))
-        # Commit the state where the round leaves it, so round 2 does not recompile.
-        home = replicated if mesh is not None else jax.devices()[0]
-        # (a copy: the round donates its state, and the caller keeps init_params usable)
+        # Commit the state where the round leaves it, so round 2 does not recompile
+        # (a copy: the round donates its state, and the caller keeps init_params usable).
         state = jax.device_put(jax.tree.map(jnp.copy, state), home)
         history = History()
         first, elapsed_before = 0, 0.0
