@@ -25,7 +25,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-MAPS = ("vmap", "sequential", "unroll")
+MAPS = ("vmap", "sequential", "unroll", "processes")
 STEPS = ("scan", "unroll")
 
 

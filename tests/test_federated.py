@@ -1234,3 +1234,28 @@ def test_comm_cost_arithmetic():
     a = ff.CommCost(1, 2, 3, 4, 0)
     assert a + a == ff.CommCost(2, 4, 6, 8, 0)
     assert ff.CommCost(1, 2, 3, 4, 1).scale(3) == ff.CommCost(3, 6, 9, 12, 1)
+
+
+def test_cpu_sum_is_a_product_with_ones_and_equals_numpy():
+    """On XLA:CPU the federated sum lowers to ``1ᵀ x`` (a reduction over the leading axis of
+    a rank-3 array is pathologically slow there; benchmarks/bench_aggregate.py); it must
+    still be the sum, for floats of every rank and for integers (which keep the reduce)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(7, 31, 17)).astype(np.float32)
+    w = rng.uniform(0.5, 2.0, size=7).astype(np.float32)
+    lowered = jax.jit(ff.sum).lower(jnp.asarray(x)).as_text()
+    if jax.default_backend() == "cpu":
+        assert "dot_general" in lowered
+    np.testing.assert_allclose(jax.jit(ff.sum)(x), x.astype(np.float64).sum(0), rtol=1e-5,
+                               atol=1e-6)
+    expected = (x.astype(np.float64) * w[:, None, None]).sum(0) / w.astype(np.float64).sum()
+    np.testing.assert_allclose(jax.jit(ff.weighted_mean)(x, w), expected, rtol=1e-5, atol=1e-6)
+    v = rng.normal(size=(7,)).astype(np.float32)
+    np.testing.assert_allclose(jax.jit(ff.sum)(v), v.astype(np.float64).sum(), rtol=1e-5)
+    k = rng.integers(-5, 5, size=(7, 3, 2)).astype(np.int32)
+    np.testing.assert_array_equal(jax.jit(ff.sum)(k), k.sum(0))
+    half = x.astype(jnp.bfloat16)
+    out = jax.jit(ff.sum)(half)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32),
+                               np.asarray(half, np.float64).sum(0), rtol=2e-2, atol=2e-2)

@@ -114,7 +114,7 @@ class SyntheticConfig(_Section):
 class ExecutionConfig(_Section):
     """How rounds execute; ``auto`` lets the runner choose per backend and model."""
 
-    strategy: Literal["auto", "vmap", "sequential", "unroll"] = "auto"
+    strategy: Literal["auto", "vmap", "sequential", "unroll", "processes"] = "auto"
     local_steps: Literal["auto", "scan", "unroll"] = "auto"
     devices: Any = Field("auto", description="'auto' or an integer >= 1")
 

@@ -3,6 +3,7 @@
 from fedax.federated._comm import CommCost, comm_cost
 from fedax.federated._primitives import (
     CLIENTS_AXIS,
+    ClientMapper,
     broadcast,
     broadcast_p,
     current_map_strategy,
@@ -20,6 +21,7 @@ __all__ = [
     "broadcast",
     "broadcast_p",
     "comm_cost",
+    "ClientMapper",
     "current_map_strategy",
     "map_clients",
     "map_strategy",

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -110,9 +110,28 @@ mlir.register_lowering(broadcast_p, mlir.lower_fun(_broadcast_impl, multiple_res
 ad.deflinear2(broadcast_p, _broadcast_transpose)
 batching.primitive_batchers[broadcast_p] = _broadcast_batch
 
+def _sum_as_product(x):
+    """``sum`` on XLA:CPU: a product with a vector of ones, ``1ᵀ x``.
+
+    XLA:CPU runs a reduction over the leading axis of a rank-3 array pathologically slowly:
+    the weighted sum of ten clients' CNN weights ``[10, 3136, 512]`` took 2.7 s, as a
+    matrix-vector product 3 ms (``benchmarks/bench_aggregate.py``). Same sum, float
+    rounding aside; integer sums and vectors keep the plain reduction.
+    """
+    x = jnp.asarray(x)
+    if x.ndim < 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return _sum_impl(x)
+    ones = jnp.ones((x.shape[0],), x.dtype)
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    out = jax.lax.dot_general(ones, x, (((0,), (0,)), ((), ())), preferred_element_type=acc)
+    return out.astype(x.dtype)
+
+
 sum_p.def_impl(_sum_impl)
 sum_p.def_abstract_eval(_sum_abstract_eval)
 mlir.register_lowering(sum_p, mlir.lower_fun(_sum_impl, multiple_results=False))
+mlir.register_lowering(sum_p, mlir.lower_fun(_sum_as_product, multiple_results=False),
+                       platform="cpu")
 ad.deflinear2(sum_p, _sum_transpose)
 batching.primitive_batchers[sum_p] = _sum_batch
 
@@ -261,8 +280,16 @@ _MAP_STRATEGY = jax.make_user_context(default_value="vmap")
 _MAP_STRATEGIES = ("vmap", "sequential", "unroll")
 
 
+class ClientMapper(Protocol):
+    """An executor for ``map_clients`` outside the built-in strategies (for example
+    ``fedax.simulation.processes.ClientProcesses``): ``map_clients(f, xs)`` returns what
+    ``jax.lax.map(lambda a: f(*a), xs)`` would, traced inside the calling program."""
+
+    def map_clients(self, f: Callable[..., Any], xs: tuple) -> Any: ...
+
+
 @contextlib.contextmanager
-def map_strategy(strategy: MapStrategy) -> Iterator[None]:
+def map_strategy(strategy: MapStrategy | ClientMapper) -> Iterator[None]:
     """Choose how ``map_clients`` executes while tracing inside this context.
 
     * ``"vmap"``: vectorized over the clients axis (the fast form on GPUs/TPUs; with a
@@ -270,23 +297,30 @@ def map_strategy(strategy: MapStrategy) -> Iterator[None]:
     * ``"sequential"``: ``lax.map``, one client after another in a compiled loop (memory
       proportional to one client);
     * ``"unroll"``: one straight-line copy of the client program per client (XLA:CPU runs
-      convolutions much faster outside loops).
+      convolutions much faster outside loops);
+    * a ``ClientMapper`` object: ``map_clients`` is handed to it (the ``processes``
+      strategy of ``fedax.simulation`` runs blocks of clients in worker processes).
 
     All strategies compute the same function; only speed and memory differ. The runner
     picks one per backend and model; algorithms never do. A jitted function captures the
     strategy; tracing caches are keyed on it, so a change of strategy retraces.
     """
-    if strategy not in _MAP_STRATEGIES:
-        raise ValueError(f"unknown map strategy {strategy!r}; allowed: {_MAP_STRATEGIES}.")
+    if not hasattr(strategy, "map_clients") and strategy not in _MAP_STRATEGIES:
+        raise ValueError(
+            f"unknown map strategy {strategy!r}; allowed: {_MAP_STRATEGIES} or an object "
+            "with a map_clients(f, xs) method."
+        )
     with _MAP_STRATEGY(strategy):
         yield
 
 
-def current_map_strategy() -> MapStrategy:
+def current_map_strategy() -> MapStrategy | ClientMapper:
     return _MAP_STRATEGY.value
 
 
-def _map_local(f: Callable[..., Any], xs: tuple, strategy: MapStrategy) -> Any:
+def _map_local(f: Callable[..., Any], xs: tuple, strategy: MapStrategy | ClientMapper) -> Any:
+    if not isinstance(strategy, str):
+        return strategy.map_clients(f, xs)
     if strategy == "vmap":
         return jax.vmap(f)(*xs)
     if strategy == "sequential":
@@ -315,6 +349,12 @@ def map_clients(f: Callable[..., Any], *xs: Any) -> Any:
     if mesh is None:
         return _map_local(f, xs, strategy)
     _check_divisible(n, mesh)
+    if not isinstance(strategy, str):
+        raise ValueError(
+            f"map strategy {strategy!r} runs clients outside the JAX program and cannot be "
+            f"combined with a '{CLIENTS_AXIS}' device mesh; use one device, or a built-in "
+            f"strategy {_MAP_STRATEGIES} on the mesh."
+        )
     spec = PartitionSpec(CLIENTS_AXIS)
     local = jax.shard_map(
         lambda *blocks: _map_local(f, blocks, strategy),

@@ -5,8 +5,10 @@ and memory differ. The runner picks one per backend and model (``choose_executio
 user can override it.
 
 * ``map``: ``vmap`` (vectorized cohort; the fast form on GPU/TPU and for dense models),
-  ``sequential`` (``lax.map``: one client at a time, memory of one client), or ``unroll``
-  (a straight-line copy per client).
+  ``sequential`` (``lax.map``: one client at a time, memory of one client), ``unroll``
+  (a straight-line copy per client), or ``processes`` (CPU: blocks of clients run
+  ``sequential`` in worker processes, one JAX runtime pinned to each core; see
+  ``fedax.simulation.processes``).
 * ``steps``: ``scan`` (a compiled loop over local steps) or ``unroll`` (straight-line code;
   XLA:CPU runs convolutions about 10x faster outside loops, jax-ml/jax#12868, at the cost of
   compile time proportional to the number of steps).
@@ -24,13 +26,15 @@ import jax
 from fedax import federated as fed
 from fedax.client import steps_strategy
 
-MAP_STRATEGIES = ("vmap", "sequential", "unroll")
+MAP_STRATEGIES = ("vmap", "sequential", "unroll", "processes")
 STEPS_STRATEGIES = ("scan", "unroll")
 
 
 class Execution(NamedTuple):
     """``map`` and ``steps`` strategies, and ``devices``: how many devices share the
-    cohort (a mesh axis ``clients``; each device runs the strategy over its block)."""
+    cohort (a mesh axis ``clients``; each device runs the strategy over its block). Under
+    ``map="processes"``, ``devices`` is the number of worker processes (each its own
+    single-core CPU device), and the calling process uses one device."""
 
     map: str = "vmap"
     steps: str = "scan"
@@ -41,6 +45,19 @@ class Execution(NamedTuple):
             raise ValueError(f"execution map {self.map!r} is not one of {MAP_STRATEGIES}.")
         if self.steps not in STEPS_STRATEGIES:
             raise ValueError(f"execution steps {self.steps!r} is not one of {STEPS_STRATEGIES}.")
+        if self.map == "processes":
+            cores = len(os.sched_getaffinity(0))
+            if jax.default_backend() != "cpu":
+                raise ValueError(
+                    "execution map 'processes' runs clients in CPU worker processes; on "
+                    f"{jax.default_backend()} use 'vmap' (the default there)."
+                )
+            if self.devices < 1:
+                raise ValueError(
+                    f"execution map 'processes' needs devices >= 1 worker processes (one per "
+                    f"core is fastest; this process may use {cores}), got {self.devices}."
+                )
+            return self
         available = jax.device_count()
         if not 1 <= self.devices <= available:
             raise ValueError(
@@ -52,7 +69,7 @@ class Execution(NamedTuple):
 
     def mesh(self) -> jax.sharding.Mesh | None:
         """The 1-D mesh ``clients`` over the first ``devices`` devices (None for one)."""
-        if self.devices == 1:
+        if self.devices == 1 or self.map == "processes":
             return None
         return jax.make_mesh(
             (self.devices,),
@@ -66,7 +83,12 @@ class Execution(NamedTuple):
 def use_execution(execution: Execution) -> Iterator[None]:
     """Trace federated code under ``execution`` (enter this around ``jax.jit`` tracing)."""
     execution.validate()
-    with fed.map_strategy(execution.map), steps_strategy(execution.steps):
+    strategy = execution.map
+    if strategy == "processes":
+        from fedax.simulation.processes import client_processes
+
+        strategy = client_processes(execution.devices)
+    with fed.map_strategy(strategy), steps_strategy(execution.steps):
         yield
 
 
@@ -94,11 +116,11 @@ def choose_execution(
     if devices == "auto":
         devices = os.environ.get("FEDAX_DEVICES", "auto")
     default_map = "sequential" if backend == "cpu" else "vmap"
-    return Execution(
-        default_map if map_choice == "auto" else map_choice,
-        "scan" if steps_choice == "auto" else steps_choice,
-        jax.device_count() if devices == "auto" else int(devices),
-    ).validate()
+    map_ = default_map if map_choice == "auto" else map_choice
+    if devices == "auto":
+        devices = len(os.sched_getaffinity(0)) if map_ == "processes" else jax.device_count()
+    return Execution(map_, "scan" if steps_choice == "auto" else steps_choice,
+                     int(devices)).validate()
 
 
 CPU_DOTS = ("eigen", "ynn")

@@ -285,7 +285,7 @@ def run(
                             drop_stragglers=drop_stragglers)
 
     mesh = execution.mesh()
-    pad_to = execution.devices
+    pad_to = execution.devices if mesh is not None else 1
     # Where server-side values live (the state, the training set): the first device, or
     # replicated over the mesh; under a mesh, cohort arrays are split over its clients axis.
     home, client_block, block_spec = jax.devices()[0], None, None

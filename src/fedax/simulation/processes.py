@@ -1,0 +1,286 @@
+"""The ``processes`` execution strategy: clients run in worker processes, one per core.
+
+On a multi-core CPU, XLA devices in one process share one intra-op thread pool, and two of
+them scale only about 1.3x on two cores; two separate single-threaded processes scale
+about 1.9x (measured, ``docs/scaling.md``). This strategy keeps the round one compiled
+program in the calling process and sends only the client map out:
+
+* while the round is traced, ``map_clients(f, *xs)`` traces ``f`` for one client, hoists
+  the traced values it closes over into explicit arguments, and exports (``jax.export``)
+  a program that runs a block of ``b`` clients one after another (``lax.map``);
+* the round calls back (``jax.pure_callback``) with the clients' inputs; the callback
+  splits the cohort into one contiguous block per worker (the last padded by repeating its
+  last client, whose outputs are dropped), writes each block into shared memory, and the
+  workers, each a JAX runtime pinned to its own core, run the exported program on it;
+* the outputs are stacked back in client order and the round goes on (aggregation and
+  the server update run in the calling process).
+
+The numbers equal the ``sequential`` strategy's up to float rounding (the client program
+is compiled on its own instead of inside the round). A worker compiles each exported
+program once and keeps it. Nothing is pickled: requests are JSON headers and raw bytes.
+
+The client map is not differentiable under this strategy (it leaves the JAX program);
+differentiate rounds under ``sequential`` or ``vmap``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing import shared_memory
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+
+from fedax.simulation._client_worker import read_message, write_message
+
+_ALIGN = 64
+
+
+def _layout(arrays: Sequence[np.ndarray]) -> tuple[list[list], int]:
+    leaves, offset = [], 0
+    for a in arrays:
+        leaves.append([offset, a.dtype.str, list(a.shape)])
+        offset += -(-a.nbytes // _ALIGN) * _ALIGN
+    return leaves, max(offset, _ALIGN)
+
+
+class _Worker:
+    """One worker process and the shared-memory segments it reads and writes."""
+
+    def __init__(self, core: int):
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        env = dict(os.environ)
+        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "fedax.simulation._client_worker",
+             str(core), str(child_r), str(child_w)],
+            pass_fds=(child_r, child_w), env=env, stdin=subprocess.DEVNULL,
+        )
+        os.close(child_r)
+        os.close(child_w)
+        self.rfd, self.wfd = parent_r, parent_w
+        self.loaded: set[str] = set()
+        self.segments: dict[str, shared_memory.SharedMemory | None] = {"in": None, "out": None}
+        self.hello = self.reply()
+
+    def reply(self) -> dict:
+        try:
+            header, _ = read_message(self.rfd)
+        except EOFError as err:
+            raise RuntimeError(
+                f"fedax client worker (pid {self.proc.pid}) exited "
+                f"(status {self.proc.poll()}); its error is on stderr above."
+            ) from err
+        if not header.get("ok"):
+            raise RuntimeError(f"fedax client worker failed:\n{header.get('error')}")
+        return header
+
+    def segment(self, which: str, size: int) -> shared_memory.SharedMemory:
+        shm = self.segments[which]
+        if shm is None or shm.size < size:
+            if shm is not None:
+                shm.close()
+                shm.unlink()
+            shm = shared_memory.SharedMemory(create=True, size=size)
+            self.segments[which] = shm
+        return shm
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                write_message(self.wfd, {"op": "exit"})
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        for fd in (self.rfd, self.wfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        for shm in self.segments.values():
+            if shm is not None:
+                shm.close()
+                shm.unlink()
+        self.segments = {"in": None, "out": None}
+
+
+class ClientProcesses:
+    """A pool of client worker processes that executes ``map_clients``.
+
+    Pass it to ``fedax.federated.map_strategy`` (the runner does, for
+    ``Execution(map="processes")``). ``workers`` processes are started on first use, worker
+    i pinned to core ``cores[i]`` (default: the cores this process may run on); they live
+    until ``close()`` or interpreter exit.
+    """
+
+    def __init__(self, workers: int | None = None, cores: Sequence[int] | None = None):
+        available = sorted(os.sched_getaffinity(0))
+        self.cores = list(cores) if cores is not None else available
+        self.num_workers = workers or len(self.cores)
+        if self.num_workers < 1:
+            raise ValueError(f"ClientProcesses needs at least one worker, got {workers}.")
+        self._workers: list[_Worker] = []
+        self._programs: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    # ---- process management -----------------------------------------------------------
+
+    def _start(self) -> list[_Worker]:
+        if not self._workers:
+            self._workers = [_Worker(self.cores[i % len(self.cores)])
+                             for i in range(self.num_workers)]
+        return self._workers
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.close()
+        self._workers = []
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+    # ---- the client map ---------------------------------------------------------------
+
+    def map_clients(self, f: Callable[..., Any], xs: tuple) -> Any:
+        """``out[i] = f(*[x[i] for x in xs])``, traced as a callback to the workers."""
+        n = jax.tree.leaves(xs)[0].shape[0]
+        workers = min(self.num_workers, n)
+        block = math.ceil(n / workers)
+        workers = math.ceil(n / block)
+
+        flat_xs, xs_tree = jax.tree.flatten(xs)
+        keys = [jnp.issubdtype(a.dtype, jax.dtypes.prng_key) for a in flat_xs]
+        impls = [jax.random.key_impl(a) if k else None for a, k in zip(flat_xs, keys, strict=True)]
+        flat_xs = [jax.random.key_data(a) if k else a for a, k in zip(flat_xs, keys, strict=True)]
+
+        def one_client(*flat):
+            leaves = [jax.random.wrap_key_data(a, impl=i) if k else a
+                      for a, k, i in zip(flat, keys, impls, strict=True)]
+            return f(*jax.tree.unflatten(xs_tree, leaves))
+
+        example = [jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in flat_xs]
+        closed, out_shape = jax.make_jaxpr(one_client, return_shape=True)(*example)
+        out_flat, out_tree = jax.tree.flatten(out_shape)
+        if any(jnp.issubdtype(o.dtype, jax.dtypes.prng_key) for o in out_flat):
+            raise TypeError("map_clients under 'processes' cannot return PRNG key arrays.")
+        # Values the client program closes over: traced ones (from the round being traced)
+        # become arguments of the exported program; concrete ones stay inside it.
+        hoist = [isinstance(c, jax.core.Tracer) for c in closed.consts]
+        hoisted = [c for c, h in zip(closed.consts, hoist, strict=True) if h]
+        jaxpr = closed.jaxpr
+
+        def block_program(*args):  # flat: the hoisted values, then the clients' inputs
+            consts, block_xs = args[: len(hoisted)], args[len(hoisted) :]
+            it = iter(consts)
+            merged = [next(it) if h else c for c, h in zip(closed.consts, hoist, strict=True)]
+            run_one = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, merged))
+            return jax.lax.map(lambda args: tuple(run_one(*args)), tuple(block_xs))
+
+        const_avals = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in hoisted]
+        block_avals = [jax.ShapeDtypeStruct((block, *a.shape[1:]), a.dtype) for a in flat_xs]
+        # Exported while the round is traced: the local-steps strategy in force applies.
+        exported = jax.export.export(jax.jit(block_program), platforms=("cpu",))(
+            *const_avals, *block_avals
+        )
+        program = bytes(exported.serialize())
+        key = hashlib.sha256(program).hexdigest()
+        self._programs[key] = program
+
+        result_shapes = [jax.ShapeDtypeStruct((n, *o.shape), o.dtype) for o in out_flat]
+
+        def host(consts, block_inputs):
+            return self._run(key, workers, block, n, consts, block_inputs, result_shapes)
+
+        outs = _not_differentiable(host, result_shapes, list(hoisted), list(flat_xs))
+        return jax.tree.unflatten(out_tree, outs)
+
+    def _run(self, key, workers, block, n, consts, inputs, result_shapes):
+        consts = [np.asarray(c) for c in consts]
+        inputs = [np.asarray(a) for a in inputs]
+        with self._lock:
+            start = time.perf_counter()
+            pool = self._start()[:workers]
+            for worker in pool:
+                if key not in worker.loaded:
+                    write_message(worker.wfd, {"op": "load", "key": key}, self._programs[key])
+            for worker in pool:
+                if key not in worker.loaded:
+                    worker.reply()
+                    worker.loaded.add(key)
+            out_blocks = []
+            for w, worker in enumerate(pool):
+                lo, hi = w * block, min(n, (w + 1) * block)
+                rows = np.minimum(np.arange(lo, lo + block), hi - 1)  # pad: repeat the last
+                block_in = consts + [a[lo:hi] if hi - lo == block else a[rows] for a in inputs]
+                in_leaves, in_size = _layout(block_in)
+                shm_in = worker.segment("in", in_size)
+                for (offset, _, _), a in zip(in_leaves, block_in, strict=True):
+                    np.ndarray(a.shape, a.dtype, buffer=shm_in.buf, offset=offset)[...] = a
+                block_out = [np.empty((block, *s.shape[1:]), s.dtype) for s in result_shapes]
+                out_leaves, out_size = _layout(block_out)
+                shm_out = worker.segment("out", out_size)
+                write_message(worker.wfd, {
+                    "op": "run", "key": key,
+                    "in": {"name": shm_in.name, "leaves": in_leaves},
+                    "out": {"name": shm_out.name, "leaves": out_leaves},
+                })
+                out_blocks.append((worker, out_leaves, hi - lo))
+            results = [[] for _ in result_shapes]
+            self.last_timing = {"send_s": time.perf_counter() - start, "workers_s": []}
+            for worker, out_leaves, real in out_blocks:
+                self.last_timing["workers_s"].append(worker.reply()["seconds"])
+                buf = worker.segments["out"].buf
+                for i, (offset, dtype, shape) in enumerate(out_leaves):
+                    view = np.ndarray(tuple(shape), np.dtype(dtype), buffer=buf, offset=offset)
+                    results[i].append(view[:real].copy())
+            self.last_timing["total_s"] = time.perf_counter() - start
+        return [np.concatenate(r, axis=0) for r in results]
+
+
+def _not_differentiable(host, result_shapes, consts, inputs):
+    @jax.custom_jvp
+    def call(consts, inputs):
+        return jax.pure_callback(host, result_shapes, consts, inputs,
+                                 vmap_method="sequential")
+
+    @call.defjvp
+    def _jvp(primals, tangents):
+        raise TypeError(
+            "map_clients ran under the 'processes' execution strategy, whose client "
+            "programs run in worker processes outside the JAX program, so it cannot be "
+            "differentiated. Differentiate rounds under Execution(map='sequential') or "
+            "'vmap' (the same numbers)."
+        )
+
+    return call(consts, inputs)
+
+
+_POOLS: dict[tuple[int, tuple[int, ...] | None], ClientProcesses] = {}
+
+
+def client_processes(workers: int | None = None,
+                     cores: Sequence[int] | None = None) -> ClientProcesses:
+    """The shared pool for ``(workers, cores)``: started once, reused by every run."""
+    key = (workers or 0, tuple(cores) if cores is not None else None)
+    if key not in _POOLS:
+        _POOLS[key] = ClientProcesses(workers, cores)
+    return _POOLS[key]
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
