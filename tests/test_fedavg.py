@@ -10,6 +10,7 @@ import pytest
 from fedax import federated as fed
 from fedax.algorithms import CohortBatches, fedavg, fedsgd
 from fedax.client import Batches, steps_strategy
+from fedax.simulation.processes import client_processes
 
 D, K = 5, 3  # features, classes
 
@@ -89,9 +90,12 @@ def np_fedavg_round(w0, b0, clients, sizes, epochs, batch_size, lr, perms):
     return w_new, b_new
 
 
-@pytest.mark.parametrize("map_strategy", ["vmap", "sequential", "unroll"])
+@pytest.mark.parametrize("map_strategy", ["vmap", "sequential", "unroll", "processes"])
 @pytest.mark.parametrize("steps", ["scan", "unroll"])
 def test_fedavg_round_matches_numpy_algorithm_1(problem, map_strategy, steps):
+    """``processes``: blocks of clients in two worker processes (see test_processes.py)."""
+    if map_strategy == "processes":
+        map_strategy = client_processes(2)
     clients, sizes, epochs, batch_size, perms, w0, b0 = problem
     lr = 0.3
     ref_w, ref_b = np_fedavg_round(w0, b0, clients, sizes, epochs, batch_size, lr, perms)

@@ -21,6 +21,7 @@ import pytest
 from fedax import federated as fed
 from fedax.algorithms import CohortBatches, fedavg, scaffold
 from fedax.client import Batches, steps_strategy
+from fedax.simulation.processes import client_processes
 
 D, K = 4, 3  # features, classes
 N = 4  # population
@@ -120,9 +121,13 @@ def flat(tree):
 
 
 @pytest.mark.parametrize(
-    "option,map_strategy,steps", [("II", "vmap", "scan"), ("I", "sequential", "unroll")]
+    "option,map_strategy,steps",
+    [("II", "vmap", "scan"), ("I", "sequential", "unroll"), ("II", "processes", "scan")],
 )
 def test_two_rounds_partial_cohort_match_numpy_algorithm_1(problem, option, map_strategy, steps):
+    """``processes``: stateful clients with the client map in worker processes."""
+    if map_strategy == "processes":
+        map_strategy = client_processes(2)
     rng, sizes, clients, theta0 = problem
     lr, lr_g, batch_size = 0.2, 0.8, 3
     # round 1: clients 1, 3; round 2: clients 3 (again: its c_i is reused) and 0 (id 0, like

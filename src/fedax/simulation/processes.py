@@ -76,14 +76,27 @@ class _Worker:
         self.segments: dict[str, shared_memory.SharedMemory | None] = {"in": None, "out": None}
         self.hello = self.reply()
 
+    def send(self, header: dict, payload: bytes = b"") -> None:
+        try:
+            write_message(self.wfd, header, payload)
+        except OSError as err:
+            raise self._exited() from err
+
+    def _exited(self) -> RuntimeError:
+        try:
+            status = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            status = None
+        return RuntimeError(
+            f"fedax client worker (pid {self.proc.pid}) exited (status {status}); its "
+            "error, if any, is on stderr above. The pool starts fresh workers on next use."
+        )
+
     def reply(self) -> dict:
         try:
             header, _ = read_message(self.rfd)
-        except EOFError as err:
-            raise RuntimeError(
-                f"fedax client worker (pid {self.proc.pid}) exited "
-                f"(status {self.proc.poll()}); its error is on stderr above."
-            ) from err
+        except (EOFError, OSError) as err:
+            raise self._exited() from err
         if not header.get("ok"):
             raise RuntimeError(f"fedax client worker failed:\n{header.get('error')}")
         return header
@@ -208,6 +221,13 @@ class ClientProcesses:
         return jax.tree.unflatten(out_tree, outs)
 
     def _run(self, key, workers, block, n, consts, inputs, result_shapes):
+        try:
+            return self._run_blocks(key, workers, block, n, consts, inputs, result_shapes)
+        except BaseException:
+            self.close()  # a failed or interrupted round leaves no half-used workers
+            raise
+
+    def _run_blocks(self, key, workers, block, n, consts, inputs, result_shapes):
         consts = [np.asarray(c) for c in consts]
         inputs = [np.asarray(a) for a in inputs]
         with self._lock:
@@ -215,7 +235,7 @@ class ClientProcesses:
             pool = self._start()[:workers]
             for worker in pool:
                 if key not in worker.loaded:
-                    write_message(worker.wfd, {"op": "load", "key": key}, self._programs[key])
+                    worker.send({"op": "load", "key": key}, self._programs[key])
             for worker in pool:
                 if key not in worker.loaded:
                     worker.reply()
@@ -232,7 +252,7 @@ class ClientProcesses:
                 block_out = [np.empty((block, *s.shape[1:]), s.dtype) for s in result_shapes]
                 out_leaves, out_size = _layout(block_out)
                 shm_out = worker.segment("out", out_size)
-                write_message(worker.wfd, {
+                worker.send({
                     "op": "run", "key": key,
                     "in": {"name": shm_in.name, "leaves": in_leaves},
                     "out": {"name": shm_out.name, "leaves": out_leaves},

@@ -1,0 +1,136 @@
+"""The ``processes`` execution strategy: client blocks in worker processes.
+
+References: the ``sequential`` strategy in this process (``lax.map``), and NumPy for the
+padding and ordering checks. The FedAvg and SCAFFOLD NumPy-reference tests also run under
+this strategy (test_fedavg.py, test_scaffold.py).
+"""
+
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedax import data as fdata
+from fedax import federated as fed
+from fedax.algorithms import fedavg, scaffold
+from fedax.models import get_model, softmax_cross_entropy
+from fedax.simulation import Execution, choose_execution, make_evaluator, run
+from fedax.simulation.processes import ClientProcesses, client_processes
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return client_processes(2)
+
+
+def client_program(w, x, key, lr):
+    """A client program with a traced closed-over value (lr), a PRNG key and a pytree."""
+
+    def f(wc, xc, kc):
+        noise = jax.random.normal(kc, xc.shape[-1:])
+        h = jnp.tanh(xc @ wc["a"] + noise) * lr
+        return {"h": h, "s": jnp.sum(xc, dtype=jnp.float32)}, jnp.int32(xc.shape[0])
+
+    n = x.shape[0]
+    return fed.map_clients(f, fed.broadcast(w, n), x, jax.random.split(key, n))
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 6])
+def test_map_equals_sequential_with_padding_and_closures(pool, n):
+    """n = 5 over 2 workers: blocks of 3, the last padded (its padding dropped); n = 1:
+    one worker only."""
+    rng = np.random.default_rng(n)
+    w = {"a": jnp.asarray(rng.normal(size=(3, 3)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(n, 4, 3)), jnp.float32)
+    key = jax.random.key(7)
+    with fed.map_strategy("sequential"):
+        ref = jax.jit(client_program)(w, x, key, 0.5)
+    with fed.map_strategy(pool):
+        out = jax.jit(client_program)(w, x, key, 0.5)
+        other_lr = jax.jit(client_program)(w, x, key, 0.25)  # same program, new value
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(other_lr[0]["h"], ref[0]["h"] / 2, rtol=1e-6, atol=1e-7)
+    # client i's row is client i's output: the per-client sums in NumPy
+    np.testing.assert_allclose(out[0]["s"], np.asarray(x).sum(axis=(1, 2)), rtol=1e-5)
+
+
+def test_not_differentiable_names_the_fix(pool):
+    x = jnp.ones((2, 3))
+
+    def loss(scale):
+        with fed.map_strategy(pool):
+            y = fed.map_clients(lambda s, xc: jnp.sum(xc * s), fed.broadcast(scale, 2), x)
+        return jnp.sum(y)
+
+    with pytest.raises(TypeError, match="'processes'.*cannot be differentiated.*sequential"):
+        jax.grad(loss)(1.0)
+
+
+def test_processes_cannot_be_combined_with_a_mesh(pool, mesh):
+    x = jnp.ones((8, 3))
+    with jax.set_mesh(mesh), fed.map_strategy(pool), pytest.raises(ValueError, match="mesh"):
+        fed.map_clients(lambda xc: xc * 2, x)
+
+
+def test_a_dead_worker_is_reported_and_the_pool_restarts():
+    own = ClientProcesses(2)
+    try:
+        x = jnp.arange(6.0).reshape(3, 2)
+        f = jax.jit(lambda x: fed.map_clients(lambda xc: xc * 3.0, x))
+        with fed.map_strategy(own):
+            np.testing.assert_allclose(f(x), np.asarray(x) * 3.0)
+            os.kill(own.pids()[1], signal.SIGKILL)
+            with pytest.raises(Exception, match="worker .*exited"):
+                jax.block_until_ready(f(x))
+            np.testing.assert_allclose(f(x), np.asarray(x) * 3.0)  # fresh workers
+    finally:
+        own.close()
+    assert own.pids() == []
+
+
+def test_execution_validation_and_choice():
+    assert Execution("processes", "scan", 2).mesh() is None
+    with pytest.raises(ValueError, match="devices >= 1"):
+        Execution("processes", "scan", 0).validate()
+    chosen = choose_execution("processes")
+    assert chosen.map == "processes" and chosen.devices == len(os.sched_getaffinity(0))
+
+
+@pytest.fixture(scope="module")
+def small_mnist():
+    arrays = fdata.load_mnist()
+    x, y = arrays["x_train"][:1000], arrays["y_train"][:1000]
+    train = fdata.ClientData.from_partition(x, y, fdata.iid(len(y), 10, seed=0))
+    return train, arrays["x_test"][:500], arrays["y_test"][:500]
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+def test_runner_rounds_equal_sequential(small_mnist, algorithm):
+    """Real MNIST, 2 rounds of 3 clients (2 workers: blocks of 2, one padded)."""
+    train, xt, yt = small_mnist
+    model = get_model("2nn")
+
+    def loss(params, batch):
+        return softmax_cross_entropy(model.apply(params, batch.x), batch.y, batch.mask)
+
+    def go(execution):
+        alg = (fedavg(loss, optax.sgd(0.1)) if algorithm == "fedavg"
+               else scaffold(loss, 0.1, train.num_clients))
+        return run(alg, model.init(jax.random.key(0)), train,
+                   make_evaluator(model.apply, xt, yt, chunk=500), rounds=2,
+                   client_fraction=0.3, local_epochs=1, batch_size=10, seed=0, eval_every=1,
+                   execution=execution, progress=False)
+
+    ref = go(Execution("sequential", "scan", 1))
+    out = go(Execution("processes", "scan", 2))
+    for r1, r2 in zip(ref.records, out.records, strict=True):
+        assert r1["test_loss"] == pytest.approx(r2["test_loss"], rel=1e-5)
+        assert r1["train_loss"] == pytest.approx(r2["train_loss"], rel=1e-5)
+    for a, b in zip(jax.tree.leaves(ref.state), jax.tree.leaves(out.state), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
