@@ -71,19 +71,19 @@ def main(argv=None) -> int:
     from fedax.models import get_model, softmax_cross_entropy
     from fedax.simulation import Execution, choose_execution, run
 
-    execution = choose_execution() if strategy is None else Execution(*strategy).validate()
-    if args.print_default:
-        print(json.dumps({**execution._asdict(), "host_devices": jax.device_count()}))
-        return 0
-
     model_kwargs = {}
     if args.model == "cnn" and args.conv_impl is not None:
         model_kwargs["conv_impl"] = args.conv_impl
     elif args.conv_impl is not None:
         parser.error("--conv-impl applies to the CNN only")
     model = get_model(args.model, **model_kwargs)
-    train, _, _ = common.load_federated_mnist()
     params = jax.jit(model.init)(jax.random.key(common.SEED))
+    execution = (choose_execution(params=params) if strategy is None
+                 else Execution(*strategy).validate())
+    if args.print_default:
+        print(json.dumps({**execution._asdict(), "host_devices": jax.device_count()}))
+        return 0
+    train, _, _ = common.load_federated_mnist()
 
     def loss_fn(p, batch):
         return softmax_cross_entropy(model.apply(p, batch.x), batch.y, batch.mask)

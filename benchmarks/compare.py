@@ -48,7 +48,8 @@ def fedax_default(model: str) -> dict:
 def fedax_configs(model: str, strategies: list[str] | None, conv_impls: list[str],
                   all_strategies: bool, all_convs: bool) -> list[dict]:
     """fedax's configurations: the default, then every Execution(map, steps, devices) with
-    devices 1 and one per core (``unroll`` map x ``unroll`` steps only with
+    devices 1 and one per core, and ``processes`` with one worker per core (``unroll`` map x
+    ``unroll`` steps only with
     ``all_strategies``: 10 x 300 straight-line steps take very long to compile). The
     explicit strategy equal to the default (same devices on the same host split) is not run
     twice. For the CNN, each convolution form in ``conv_impls``; but unless ``all_convs``
@@ -71,6 +72,8 @@ def fedax_configs(model: str, strategies: list[str] | None, conv_impls: list[str
                     if text == default_text and default["host_devices"] == devices:
                         continue
                     strategies.append(text)
+        if cores > 1 and not (default_text == f"processes:scan:{cores}"):
+            strategies.append(f"processes:scan:{cores}")  # one worker process per core
     impls = conv_impls if model == "cnn" else [None]
     configs = []
     for conv in impls:

@@ -19,6 +19,7 @@ from fedax import federated as fed
 from fedax.algorithms import fedavg, scaffold
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.simulation import Execution, choose_execution, make_evaluator, run
+from fedax.simulation.execution import usable_cores
 from fedax.simulation.processes import ClientProcesses, client_processes
 
 
@@ -99,7 +100,18 @@ def test_execution_validation_and_choice():
     with pytest.raises(ValueError, match="devices >= 1"):
         Execution("processes", "scan", 0).validate()
     chosen = choose_execution("processes")
-    assert chosen.map == "processes" and chosen.devices == len(os.sched_getaffinity(0))
+    assert chosen.map == "processes" and chosen.devices == len(usable_cores())
+
+
+def test_default_on_cpu_is_processes_for_convolutional_models_only():
+    cnn = get_model("cnn").init(jax.random.key(0))
+    dense = get_model("2nn").init(jax.random.key(0))
+    multi = len(usable_cores()) > 1
+    assert choose_execution(params=cnn).map == ("processes" if multi else "sequential")
+    assert choose_execution(params=dense).map == "sequential"
+    assert choose_execution().map == "sequential"
+    assert choose_execution(devices=1, params=cnn) == Execution("sequential", "scan", 1)
+    assert choose_execution(params=cnn, backend="gpu").map == "vmap"
 
 
 @pytest.fixture(scope="module")

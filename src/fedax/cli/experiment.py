@@ -242,7 +242,8 @@ def run_experiment(
                                 num_clients=train.num_clients)
     evaluate = make_evaluator(model.apply, data.x_test, data.y_test)
     execution: Execution = choose_execution(
-        config.execution.strategy, config.execution.local_steps, config.execution.devices
+        config.execution.strategy, config.execution.local_steps, config.execution.devices,
+        params=params,
     )
     started = time.perf_counter()
     history = run(

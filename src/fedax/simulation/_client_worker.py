@@ -70,7 +70,7 @@ def _views(buffer, leaves):
 
 
 def main(core: int, rfd: int, wfd: int) -> None:
-    if core >= 0:
+    if core >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]

@@ -19,9 +19,10 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from fedax import federated as fed
 from fedax.client import steps_strategy
@@ -46,7 +47,7 @@ class Execution(NamedTuple):
         if self.steps not in STEPS_STRATEGIES:
             raise ValueError(f"execution steps {self.steps!r} is not one of {STEPS_STRATEGIES}.")
         if self.map == "processes":
-            cores = len(os.sched_getaffinity(0))
+            cores = len(usable_cores())
             if jax.default_backend() != "cpu":
                 raise ValueError(
                     "execution map 'processes' runs clients in CPU worker processes; on "
@@ -97,30 +98,61 @@ def choose_execution(
     steps_choice: str = "auto",
     devices: int | str = "auto",
     backend: str | None = None,
+    params: Any = None,
 ) -> Execution:
-    """Resolve ``"auto"`` choices for the backend (default: JAX's default backend).
+    """Resolve ``"auto"`` choices for the backend (default: JAX's default backend) and the
+    model (``params``: the initial model parameters, when known).
 
     * GPU/TPU: ``vmap`` + ``scan`` on every device: the cohort is one batched program.
-    * CPU: ``sequential`` + ``scan``, with the cohort split over all host devices (one per
-      core when started by the fedax command). Per-client matmuls at the paper's B = 10
-      are tiny, XLA:CPU runs a vmapped (batched) matmul or convolution slower than the same
-      client programs one after another, and one single-threaded client program per core
-      beats one program using both cores (measured on a 2-core machine, 2NN, 10 clients,
-      E = 1, B = 10: vmap 0.65 s, sequential 0.47 s per round on one device; sequential
-      0.17 s on one device vs 0.10 s over two; see ``benchmarks/``).
+    * CPU, convolutional models (a parameter of rank >= 4, i.e. a convolution kernel) on
+      more than one core: ``processes``, one worker process per core. A conv client's
+      steps are heavy next to the data a round moves, and separate single-threaded
+      runtimes scale over cores where XLA devices in one process do not (MNIST CNN,
+      workload W on 2 cores: 27.2 s a round against 34.8 s for ``sequential`` over two
+      in-process devices; ``benchmarks/results/``).
+    * CPU, other models: ``sequential`` + ``scan``, with the cohort split over all host
+      devices (one per core when started by the fedax command). Per-client matmuls at the
+      paper's B = 10 are tiny, XLA:CPU runs a vmapped (batched) matmul or convolution
+      slower than the same client programs one after another, and one single-threaded
+      client program per core beats one program using both cores (measured on a 2-core
+      machine, 2NN, 10 clients, E = 1, B = 10: vmap 0.65 s, sequential 0.47 s per round on
+      one device; sequential 0.17 s on one device vs 0.10 s over two; see
+      ``benchmarks/``). For the 2NN, moving each cohort to worker processes costs more than
+      their better scaling gains (W: 0.85 s a round against 0.65 s).
 
     ``devices="auto"`` is ``$FEDAX_DEVICES`` when set (the ``--devices N`` flag of the
-    ``fedax`` command sets it), else every device.
+    ``fedax`` command sets it), else every device (``processes``: every core).
     """
     backend = backend or jax.default_backend()
     if devices == "auto":
         devices = os.environ.get("FEDAX_DEVICES", "auto")
-    default_map = "sequential" if backend == "cpu" else "vmap"
+    cores = len(usable_cores())
+    if backend != "cpu":
+        default_map = "vmap"
+    elif cores > 1 and _has_convolutions(params) and devices != 1 and devices != "1":
+        default_map = "processes"
+    else:
+        default_map = "sequential"
     map_ = default_map if map_choice == "auto" else map_choice
     if devices == "auto":
-        devices = len(os.sched_getaffinity(0)) if map_ == "processes" else jax.device_count()
+        devices = cores if map_ == "processes" else jax.device_count()
     return Execution(map_, "scan" if steps_choice == "auto" else steps_choice,
                      int(devices)).validate()
+
+
+def _has_convolutions(params: Any) -> bool:
+    return any(
+        getattr(leaf, "ndim", 0) >= 4 and jnp.issubdtype(leaf.dtype, jnp.floating)
+        for leaf in jax.tree.leaves(params)
+    )
+
+
+def usable_cores() -> list[int]:
+    """The CPU cores this process may run on (its affinity mask; all cores where the OS
+    has no affinity API)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 CPU_DOTS = ("eigen", "ynn")

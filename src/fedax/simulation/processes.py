@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedax.simulation._client_worker import read_message, write_message
+from fedax.simulation.execution import usable_cores
 
 _ALIGN = 64
 
@@ -140,7 +141,7 @@ class ClientProcesses:
     """
 
     def __init__(self, workers: int | None = None, cores: Sequence[int] | None = None):
-        available = sorted(os.sched_getaffinity(0))
+        available = usable_cores()
         self.cores = list(cores) if cores is not None else available
         self.num_workers = workers or len(self.cores)
         if self.num_workers < 1:

@@ -221,7 +221,8 @@ def run(
       eval_every: evaluate after every k-th round (and after the last one).
       target_accuracy: report ``rounds_to_target`` against this accuracy.
       stop_at_target: end the run at the first evaluation that reaches the target.
-      execution: execution strategy; default chosen for the backend.
+      execution: execution strategy; default ``choose_execution(params=init_params)``,
+        chosen for the backend and the model.
       callbacks: each is called with every evaluation record (see ``Callback``).
       progress: show a progress bar with the round, test accuracy and rounds/s.
       checkpoint_dir: where checkpoints ``ckpt_<round>.msgpack`` go (the last two kept).
@@ -266,7 +267,7 @@ def run(
             f"{cohort_size} clients of a cohort stragglers; a round could drop every client "
             "(no weight to average). Use a smaller fraction or keep the stragglers."
         )
-    execution = execution or choose_execution()
+    execution = execution or choose_execution(params=init_params)
     sizes = train.sizes
     # Fixed shapes for every round (no recompilation): B = ∞ is one full batch of the
     # largest client, and S covers the largest client's E·⌈n_k/B⌉ steps.
