@@ -101,3 +101,42 @@ def test_runs_on_codes_equal_runs_on_floats_bit_for_bit(monkeypatch, mnist_small
     assert compact_loss == float_loss
     for a, b in zip(jax.tree.leaves(compact_params), jax.tree.leaves(float_params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_coded_cohorts_decode_per_step_to_the_float_values(mnist_small):
+    """A cohort's ``ByteCoded`` features: the local-training result and the federated loss
+    equal those on the float features bit for bit (the loss only ever sees floats)."""
+    from fedax.algorithms import CohortBatches, federated_loss
+    from fedax.client import Batches, ByteCoded, decoded, local_train
+
+    x, y = mnist_small
+    features = dd.put_features(x)
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, len(y), size=(2, 3, 5)).astype(np.int32)  # clients, steps, batch
+    coded = dd.cohort_features(features.values, features.table, idx)
+    assert isinstance(coded, ByteCoded) and coded.codes.dtype == np.uint8
+    np.testing.assert_array_equal(coded.decode(), x[idx])  # NumPy reference
+    mask = np.ones(idx.shape, np.float32)
+    batches = Batches(coded, y[idx].astype(np.int32), mask)
+    floats = Batches(x[idx], y[idx].astype(np.int32), mask)
+    assert decoded(floats) is floats
+    model = get_model("2nn")
+    params = model.init(jax.random.key(0))
+
+    def loss(p, b):
+        assert b.x.dtype == np.float32  # the loss never sees codes
+        return softmax_cross_entropy(model.apply(p, b.x), b.y, b.mask)
+
+    def train(b):
+        return jax.vmap(lambda bb: local_train(loss, params, bb, optax.sgd(0.1)))(b)
+
+    for a, b in zip(jax.tree.leaves(jax.jit(train)(batches)),
+                    jax.tree.leaves(jax.jit(train)(floats)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    cohort = lambda b: CohortBatches(b, np.array([15.0, 10.0], np.float32), np.arange(2))
+    fl = jax.jit(federated_loss, static_argnums=0)
+    np.testing.assert_array_equal(fl(loss, params, cohort(batches)),
+                                  fl(loss, params, cohort(floats)))
+    # data that is not codes stays float
+    plain = dd.cohort_features(jax.numpy.asarray(x), None, idx)
+    np.testing.assert_array_equal(plain, x[idx])

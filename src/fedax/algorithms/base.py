@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from fedax import federated as fed
-from fedax.client import Batches, LossFn
+from fedax.client import Batches, LossFn, decoded
 
 
 class CohortBatches(NamedTuple):
@@ -49,6 +49,7 @@ def federated_loss(loss_fn: LossFn, params: Any, cohort: CohortBatches) -> jax.A
     num_clients = cohort.num_examples.shape[0]
 
     def client_loss(p, batches: Batches):
+        batches = decoded(batches)
         losses = jax.vmap(loss_fn, in_axes=(None, 0))(p, batches)
         real = jnp.sum(batches.mask, axis=-1)
         return jnp.sum(losses * real) / jnp.maximum(jnp.sum(real), 1.0)

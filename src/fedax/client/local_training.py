@@ -20,19 +20,44 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 StepsStrategy = Literal["scan", "unroll"]
 _STEPS = jax.make_user_context(default_value="scan")  # jit-cache sensitive
 
 
+# Code k -> float32(k) / float32(255): 8-bit image data as the loaders scale it.
+BYTE_SCALE_TABLE = np.arange(256, dtype=np.float32) / np.float32(255.0)
+
+
+class ByteCoded(NamedTuple):
+    """Features held as their uint8 codes ``k``, standing for ``float32(k) / 255`` (8-bit
+    images scaled the usual way). The runner passes image cohorts this way (a quarter of
+    the bytes); ``local_train`` decodes each step's batch just before the loss sees it, so
+    loss functions always receive the float values, bit for bit."""
+
+    codes: jax.Array
+
+    def decode(self) -> jax.Array:
+        return jnp.asarray(BYTE_SCALE_TABLE)[self.codes]
+
+
 class Batches(NamedTuple):
     """One client's local batches: ``x [S, B, ...]``, ``y [S, B, ...]`` (``[S, B, T]`` for
-    next-token targets), ``mask [S, B]`` (per example)."""
+    next-token targets), ``mask [S, B]`` (per example). ``x`` may be ``ByteCoded``; code
+    that reads it outside ``local_train`` calls ``decoded(batches)`` first."""
 
-    x: jax.Array
+    x: jax.Array | ByteCoded
     y: jax.Array
     mask: jax.Array
+
+
+def decoded(batches: Batches) -> Batches:
+    """``batches`` with float features (``ByteCoded`` features decoded; others as given)."""
+    if isinstance(batches.x, ByteCoded):
+        return batches._replace(x=batches.x.decode())
+    return batches
 
 
 LossFn = Callable[[Any, Batches], jax.Array]
@@ -70,7 +95,7 @@ def local_train(
     are carried through unchanged). The optimizer state starts fresh each round.
     """
     opt_state = optimizer.init(params)
-    first = jax.tree.map(lambda a: a[0], batches)
+    first = decoded(jax.tree.map(lambda a: a[0], batches))
     loss_type = jax.eval_shape(loss_fn, params, first)
 
     def step(carry, batch: Batches):
@@ -78,7 +103,7 @@ def local_train(
 
         def real(carry):
             p, s = carry
-            loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+            loss, grads = jax.value_and_grad(loss_fn)(p, decoded(batch))
             updates, new_s = optimizer.update(grads, s, p)
             return (optax.apply_updates(p, updates), new_s), loss
 

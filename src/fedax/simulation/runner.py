@@ -34,7 +34,7 @@ from fedax.algorithms import drop_stragglers as drop_stragglers_fn
 from fedax.client import Batches
 from fedax.data import ClientData, Cohort, make_cohort, num_local_steps, sample_clients
 from fedax.simulation import checkpoint as ckpt
-from fedax.simulation.device_data import gather_features, put_features, take
+from fedax.simulation.device_data import cohort_features, put_features, take
 from fedax.simulation.execution import (
     Execution,
     choose_execution,
@@ -304,7 +304,7 @@ def run(
     # (embedding it in the program makes every compilation much slower). Under a mesh the
     # cohort arrives sharded over clients, so each device gathers only its own clients.
     def device_round(state, x_all, y_all, idx, mask, num_examples, client_ids, key):
-        x = gather_features(x_all, table, idx, block_spec)
+        x = cohort_features(x_all, table, idx, block_spec)
         batches = Batches(x, take(y_all, idx, block_spec), mask)
         return algorithm.round(state, CohortBatches(batches, num_examples, client_ids), key)
 
