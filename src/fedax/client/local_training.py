@@ -95,6 +95,9 @@ def local_train(
     are carried through unchanged). The optimizer state starts fresh each round.
     """
     opt_state = optimizer.init(params)
+    # Coded features are decoded step by step, so no client's float features are ever
+    # held whole (measured alternately on one core: the same CNN step time as float input
+    # or as decoding a whole client first).
     first = decoded(jax.tree.map(lambda a: a[0], batches))
     loss_type = jax.eval_shape(loss_fn, params, first)
 
