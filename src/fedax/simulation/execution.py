@@ -108,7 +108,7 @@ def choose_execution(
       more than one core: ``processes``, one worker process per core. A conv client's
       steps are heavy next to the data a round moves, and separate single-threaded
       runtimes scale over cores where XLA devices in one process do not (MNIST CNN,
-      workload W on 2 cores: 27.2 s a round against 34.8 s for ``sequential`` over two
+      workload W on 2 cores: 27.4 s a round against 38.1 s for ``sequential`` over two
       in-process devices; ``benchmarks/results/``).
     * CPU, other models: ``sequential`` + ``scan``, with the cohort split over all host
       devices (one per core when started by the fedax command). Per-client matmuls at the
@@ -117,8 +117,8 @@ def choose_execution(
       client program per core beats one program using both cores (measured on a 2-core
       machine, 2NN, 10 clients, E = 1, B = 10: vmap 0.65 s, sequential 0.47 s per round on
       one device; sequential 0.17 s on one device vs 0.10 s over two; see
-      ``benchmarks/``). For the 2NN, moving each cohort to worker processes costs more than
-      their better scaling gains (W: 0.85 s a round against 0.65 s).
+      ``benchmarks/``). For the 2NN, moving each cohort to worker processes costs about what
+      their better scaling gains (W: 0.513 s a round against 0.493 s in one run).
 
     ``devices="auto"`` is ``$FEDAX_DEVICES`` when set (the ``--devices N`` flag of the
     ``fedax`` command sets it), else every device (``processes``: every core).

@@ -149,6 +149,8 @@ class ClientProcesses:
         self._workers: list[_Worker] = []
         self._programs: dict[str, bytes] = {}
         self._lock = threading.Lock()
+        # The last round's seconds: sending the blocks, each worker's run, the whole call.
+        self.last_timing: dict[str, Any] = {}
 
     # ---- process management -----------------------------------------------------------
 
