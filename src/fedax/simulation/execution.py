@@ -109,7 +109,8 @@ def choose_execution(
       steps are heavy next to the data a round moves, and separate single-threaded
       runtimes scale over cores where XLA devices in one process do not (MNIST CNN,
       workload W on 2 cores: 27.4 s a round against 38.1 s for ``sequential`` over two
-      in-process devices; ``benchmarks/results/``).
+      in-process devices in one run, 39.5 s against 40.9 s in a later run on a slower
+      machine state; ``benchmarks/results/summary.md``).
     * CPU, other models: ``sequential`` + ``scan``, with the cohort split over all host
       devices (one per core when started by the fedax command). Per-client matmuls at the
       paper's B = 10 are tiny, XLA:CPU runs a vmapped (batched) matmul or convolution
