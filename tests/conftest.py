@@ -19,3 +19,15 @@ jax.config.update("jax_enable_x64", False)
 def mesh():
     """An 8-device mesh with one axis named 'clients' (jax's default axis types)."""
     return jax.make_mesh((8,), ("clients",))
+
+
+@pytest.fixture(scope="module")
+def small_mnist():
+    """Real MNIST, small: 2,000 training examples over 20 IID clients, 1,000 test examples
+    (train, x_test, y_test). Modules with other needs define their own."""
+    from fedax import data as fdata
+
+    arrays = fdata.load_mnist()
+    x, y = arrays["x_train"][:2000], arrays["y_train"][:2000]
+    train = fdata.ClientData.from_partition(x, y, fdata.iid(len(y), 20, seed=0))
+    return train, arrays["x_test"][:1000], arrays["y_test"][:1000]

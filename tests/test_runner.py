@@ -8,7 +8,6 @@ import numpy as np
 import optax
 import pytest
 
-from fedax import data as fdata
 from fedax.algorithms import fedavg
 from fedax.cli.main import main
 from fedax.models import get_model, softmax_cross_entropy
@@ -23,14 +22,6 @@ def test_rounds_to_target_reads_the_best_so_far_curve_with_interpolation():
     assert rounds_to_target(rounds, acc, 0.93) == pytest.approx(5 + (0.03 / 0.06) * 5)
     assert rounds_to_target(rounds, acc, 0.85) == 5.0
     assert rounds_to_target(rounds, acc, 0.99) is None
-
-
-@pytest.fixture(scope="module")
-def small_mnist():
-    arrays = fdata.load_mnist()
-    x, y = arrays["x_train"][:2000], arrays["y_train"][:2000]
-    train = fdata.ClientData.from_partition(x, y, fdata.iid(len(y), 20, seed=0))
-    return train, arrays["x_test"][:1000], arrays["y_test"][:1000]
 
 
 def _run(small_mnist, seed, execution=None, rounds=3):

@@ -64,11 +64,11 @@ def gather_features(
     ``table`` when ``values`` hold codes. ``values`` may be traced; ``table`` is a constant.
     ``out_sharding`` (a ``PartitionSpec``) is the result's sharding under an explicit mesh,
     e.g. ``P('clients')`` when ``idx`` is sharded over clients."""
-    got = take(values, idx, out_sharding)
-    if table is None:
+    got = cohort_features(values, table, idx, out_sharding)
+    if not isinstance(got, ByteCoded):
         return got
     # uint8 codes index the table directly (no int32 copy of the cohort's codes).
-    return take(jnp.asarray(table), got, out_sharding)
+    return take(jnp.asarray(table), got.codes, out_sharding)
 
 
 def cohort_features(

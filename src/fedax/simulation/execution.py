@@ -127,10 +127,12 @@ def choose_execution(
     backend = backend or jax.default_backend()
     if devices == "auto":
         devices = os.environ.get("FEDAX_DEVICES", "auto")
+    if devices != "auto":
+        devices = int(devices)
     cores = len(usable_cores())
     if backend != "cpu":
         default_map = "vmap"
-    elif cores > 1 and _has_convolutions(params) and devices != 1 and devices != "1":
+    elif cores > 1 and _has_convolutions(params) and devices != 1:
         default_map = "processes"
     else:
         default_map = "sequential"
@@ -138,7 +140,7 @@ def choose_execution(
     if devices == "auto":
         devices = cores if map_ == "processes" else jax.device_count()
     return Execution(map_, "scan" if steps_choice == "auto" else steps_choice,
-                     int(devices)).validate()
+                     devices).validate()
 
 
 def _has_convolutions(params: Any) -> bool:

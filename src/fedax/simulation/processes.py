@@ -48,11 +48,14 @@ from fedax.simulation.execution import usable_cores
 _ALIGN = 64
 
 
-def _layout(arrays: Sequence[np.ndarray]) -> tuple[list[list], int]:
+def _layout(specs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> tuple[list[list], int]:
+    """Offsets (64-byte aligned) of arrays of the given (shape, dtype) in one buffer, as
+    ``[offset, dtype, shape]`` per array, and the buffer's size."""
     leaves, offset = [], 0
-    for a in arrays:
-        leaves.append([offset, a.dtype.str, list(a.shape)])
-        offset += -(-a.nbytes // _ALIGN) * _ALIGN
+    for shape, dtype in specs:
+        dtype = np.dtype(dtype)
+        leaves.append([offset, dtype.str, list(shape)])
+        offset += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
     return leaves, max(offset, _ALIGN)
 
 
@@ -243,34 +246,36 @@ class ClientProcesses:
                 if key not in worker.loaded:
                     worker.reply()
                     worker.loaded.add(key)
-            out_blocks = []
+            # Every worker's outputs have the same layout: a block of clients each.
+            out_leaves, out_size = _layout([((block, *r.shape[1:]), r.dtype)
+                                            for r in result_shapes])
             for w, worker in enumerate(pool):
                 lo, hi = w * block, min(n, (w + 1) * block)
                 rows = np.minimum(np.arange(lo, lo + block), hi - 1)  # pad: repeat the last
                 block_in = consts + [a[lo:hi] if hi - lo == block else a[rows] for a in inputs]
-                in_leaves, in_size = _layout(block_in)
+                in_leaves, in_size = _layout([(a.shape, a.dtype) for a in block_in])
                 shm_in = worker.segment("in", in_size)
                 for (offset, _, _), a in zip(in_leaves, block_in, strict=True):
                     np.ndarray(a.shape, a.dtype, buffer=shm_in.buf, offset=offset)[...] = a
-                block_out = [np.empty((block, *s.shape[1:]), s.dtype) for s in result_shapes]
-                out_leaves, out_size = _layout(block_out)
                 shm_out = worker.segment("out", out_size)
                 worker.send({
                     "op": "run", "key": key,
                     "in": {"name": shm_in.name, "leaves": in_leaves},
                     "out": {"name": shm_out.name, "leaves": out_leaves},
                 })
-                out_blocks.append((worker, out_leaves, hi - lo))
             results = [[] for _ in result_shapes]
             self.last_timing = {"send_s": time.perf_counter() - start, "workers_s": []}
-            for worker, out_leaves, real in out_blocks:
+            for w, worker in enumerate(pool):
                 self.last_timing["workers_s"].append(worker.reply()["seconds"])
+                real = min(n, (w + 1) * block) - w * block  # the block's clients, no padding
                 buf = worker.segments["out"].buf
                 for i, (offset, dtype, shape) in enumerate(out_leaves):
                     view = np.ndarray(tuple(shape), np.dtype(dtype), buffer=buf, offset=offset)
-                    results[i].append(view[:real].copy())
+                    results[i].append(view[:real])
+            # One copy out of shared memory, before the lock lets the next round reuse it.
+            out = [np.concatenate(r, axis=0) for r in results]
             self.last_timing["total_s"] = time.perf_counter() - start
-        return [np.concatenate(r, axis=0) for r in results]
+        return out
 
 
 def _not_differentiable(host, result_shapes, consts, inputs):
