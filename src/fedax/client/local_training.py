@@ -96,8 +96,8 @@ def local_train(
     """
     opt_state = optimizer.init(params)
     # Coded features are decoded step by step, so no client's float features are ever
-    # held whole (measured alternately on one core: the same CNN step time as float input
-    # or as decoding a whole client first).
+    # held whole (the same CNN step time as float input, alternated on one core:
+    # benchmarks/bench_coded_decode.py).
     first = decoded(jax.tree.map(lambda a: a[0], batches))
     loss_type = jax.eval_shape(loss_fn, params, first)
 
