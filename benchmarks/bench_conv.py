@@ -3,11 +3,13 @@
     python benchmarks/bench_conv.py --steps 20 --reps 3 --json out.json
 
 One client's W local steps (B = 10, SGD) as ``lax.scan`` over ``--steps`` batches, with
-each form of ``fedax.models.mnist.conv2d`` (``lax_vjp``, fedax's CPU default; ``patches``;
-``lax``, whose autodiff weight gradients XLA:CPU runs slowly inside loops), compiled as the
-runner compiles a round and timed alternately in this one process (pin it to one core with
-``taskset -c 0`` for the single-core figure). Prints ms per step (median) and the ratio to
-``lax_vjp``. The loop's results agree across forms to float tolerance (checked).
+each ``conv_impl`` of ``fedax.models.mnist.cnn`` (``auto``, fedax's CPU default: ``patches``
+for the one-channel first convolution, ``lax_vjp`` for the second; ``lax_vjp`` or
+``patches`` for both; ``lax``, whose autodiff weight gradients XLA:CPU runs slowly inside
+loops), compiled as the runner compiles a round and timed alternately in this one process
+(pin it to one core with ``taskset -c 0`` for the single-core figure). Prints ms per step
+(median) and the ratio to the first form. The loop's results agree across forms to float
+tolerance (checked).
 """
 
 from __future__ import annotations
@@ -18,14 +20,14 @@ import statistics
 import sys
 import time
 
-IMPLS = ("lax_vjp", "patches", "lax")
+IMPLS = ("auto", "lax_vjp", "patches", "lax")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--impls", default="lax_vjp,patches", help=f"subset of {IMPLS}")
+    parser.add_argument("--impls", default="auto,lax_vjp,patches", help=f"subset of {IMPLS}")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 

@@ -268,6 +268,27 @@ def _system_ticks() -> tuple[int, int]:
     return user + nice + system + irq + softirq, steal
 
 
+def _pss_bytes(pid: int) -> int:
+    """Proportional set size of ``pid`` (smaps_rollup): its private pages plus its share
+    of each page it shares; 0 where the kernel has no smaps_rollup or the process ended."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def tree_pss(root: int | None = None) -> int:
+    """PSS summed over the process tree under ``root`` (default: this process): the memory
+    the tree holds, each shared page (a library's text, shared memory between a process
+    and its workers) counted once in total rather than once per process as with RSS."""
+    pids = _tree(_proc_table(), os.getpid() if root is None else root)
+    return sum(_pss_bytes(p) for p in pids)
+
+
 def tree_usage(root: int | None = None) -> tuple[int, int]:
     """(CPU ticks, RSS bytes) of the process tree under ``root`` (default: this process).
 
@@ -308,13 +329,17 @@ def interval_cpu(a: CpuSnapshot, b: CpuSnapshot) -> dict[str, float]:
 
 
 class RssMonitor:
-    """Background thread sampling the RSS of this process tree (sum over processes) every
-    ``interval`` seconds; ``peak_bytes`` is the largest sample, or this process's own
-    ``ru_maxrss`` if larger (exact for a single process; child processes are sampled)."""
+    """Background thread sampling the RSS and the PSS of this process tree (sums over its
+    processes) every ``interval`` seconds; ``peak_bytes`` is the largest RSS sample, or
+    this process's own ``ru_maxrss`` if larger (exact for a single process; child
+    processes are sampled); ``peak_pss_bytes`` the largest PSS sample. For one process the
+    two agree up to its shared libraries; for several, the RSS sum counts every shared
+    page once per process and PSS once in all."""
 
     def __init__(self, interval: float = 0.25):
         self.interval = interval
         self.peak_sampled = 0
+        self.peak_pss_bytes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="rss-monitor")
 
@@ -322,6 +347,7 @@ class RssMonitor:
         while not self._stop.is_set():
             try:
                 self.peak_sampled = max(self.peak_sampled, tree_usage()[1])
+                self.peak_pss_bytes = max(self.peak_pss_bytes, tree_pss())
             except OSError:
                 pass
             self._stop.wait(self.interval)
@@ -456,6 +482,7 @@ def run_record(
         "rounds": measured,
         **summarize(measured),
         "peak_rss_mb": rss.peak_bytes / 2**20,
+        "peak_pss_mb": rss.peak_pss_bytes / 2**20 or None,
         "versions": versions(*packages),
         "machine": machine_info(),
         "date": now_iso(),
@@ -473,7 +500,8 @@ def finish(record: dict[str, Any], json_path: str | None) -> None:
             f"{record['implementation']} {record['config']} {record['model']}: "
             f"{s['median']:.3f} s/round (min {s['min']:.3f}, max {s['max']:.3f}; "
             f"{record['rounds_kept']}/{record['rounds_total']} rounds undisturbed), "
-            f"peak RSS {record['peak_rss_mb']:.0f} MB, warm-up {record['warmup_s']}"
+            f"peak RSS {record['peak_rss_mb']:.0f} MB, "
+            f"PSS {record.get('peak_pss_mb') or 0:.0f} MB, warm-up {record['warmup_s']}"
         )
     for r in record.get("rounds", ()):
         print("  round", json.dumps(r))
@@ -495,6 +523,7 @@ COLUMNS = (
     ("max", "max"),
     ("rph", "rounds/h"),
     ("rss", "peak RSS MB"),
+    ("pss", "peak PSS MB"),
     ("cores", "cores used"),
     ("peak", "% peak FLOP/s"),
     ("ratio", "x fedax"),
@@ -515,6 +544,7 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
         frac = r.get("fraction_of_peak")
         ratio = r.get("ratio_to_fedax")
         rss = r.get("peak_rss_mb")
+        pss = r.get("peak_pss_mb")
         cores = r.get("our_cores")
         kept = "—" if "rounds_total" not in r else f"{r['rounds_kept']}/{r['rounds_total']}"
         if r.get("all_disturbed"):
@@ -529,6 +559,7 @@ def table_rows(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
             _fmt_seconds(s.get("max")),
             "—" if not r.get("rounds_per_hour") else f"{r['rounds_per_hour']:.0f}",
             "—" if rss is None else f"{rss:.0f}",
+            "—" if pss is None else f"{pss:.0f}",
             "—" if cores is None or math.isnan(cores) else f"{cores:.2f}",
             "—" if frac is None else f"{100 * frac:.1f}%",
             "—" if ratio is None else f"{ratio:.2f}",

@@ -176,6 +176,8 @@ def merge(records: list[dict]) -> dict:
     row["rounds"] = rounds
     row["warmup_s"] = [w for r in ok for w in r["warmup_s"]]
     row["peak_rss_mb"] = max(r["peak_rss_mb"] for r in ok)
+    pss = [r["peak_pss_mb"] for r in ok if r.get("peak_pss_mb")]
+    row["peak_pss_mb"] = max(pss) if pss else None
     sizes = [r["largest_process_maxrss_mb"] for r in ok if r.get("largest_process_maxrss_mb")]
     row["largest_process_maxrss_mb"] = max(sizes) if sizes else None
     row["passes"] = len(ok)

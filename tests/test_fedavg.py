@@ -165,6 +165,7 @@ def test_round_is_differentiable_in_the_client_learning_rate(problem):
             jnp.asarray(clients[0][0]), jnp.asarray(clients[0][1]), jnp.ones(sizes[0])
         )
 
+        @jax.jit  # one program per derivative, not op by op
         def after_round(lr):
             alg = fedavg(loss_fn, optax.sgd(lr))
             state, _ = alg.round(alg.init(params, None), cohort64, None)

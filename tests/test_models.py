@@ -113,6 +113,17 @@ def test_max_pool_matches_numpy():
     np.testing.assert_array_equal(max_pool_2x2(jnp.asarray(x)), expected)
 
 
+def test_cnn_auto_on_cpu_is_patches_then_lax_vjp():
+    """On CPU the default CNN computes its one-channel first convolution as one patches
+    product and only the second as a (custom-VJP) convolution."""
+    assert jax.default_backend() == "cpu"
+    params = cnn().init(jax.random.key(0))
+    text = str(jax.make_jaxpr(cnn().apply)(params, _images(2)))
+    assert text.count("conv_general_dilated") == 1  # conv2's forward only
+    assert "custom_vjp_call" in text
+    assert "concatenate" in text  # conv1's 25 shifted windows
+
+
 def test_cnn_conv_impls_agree_values_and_gradients():
     params = cnn().init(jax.random.key(0))
     x = _images(2)
@@ -125,7 +136,7 @@ def test_cnn_conv_impls_agree_values_and_gradients():
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
 
     (_, logits_lax), grads_lax = run("lax")
-    for impl in ("patches", "lax_vjp"):
+    for impl in ("patches", "lax_vjp", "auto"):
         (_, logits), grads = run(impl)
         np.testing.assert_allclose(logits_lax, logits, rtol=1e-5, atol=1e-6)
         jax.tree.map(

@@ -92,7 +92,7 @@ def hypergradient(
             raise TypeError(
                 "forward-mode hypergradients need a model that JAX can differentiate in "
                 "forward mode, but it has a reverse-mode-only rule (custom_vjp). On CPU the "
-                "MNIST CNN defaults to conv_impl='lax_vjp': build it with "
+                "MNIST CNN's default convolutions include conv_impl='lax_vjp': build it with "
                 "get_model('cnn', conv_impl='lax') or conv_impl='patches', or use "
                 "mode='reverse'."
             ) from err

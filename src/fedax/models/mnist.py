@@ -190,15 +190,23 @@ def cnn(conv_impl: str = "auto") -> Model:
     582,026, a common slip).
 
     Args:
-        conv_impl: ``"lax"``, ``"patches"`` or ``"lax_vjp"``; see :func:`conv2d`. All use
-            the same params and compute the same function. ``"auto"`` (default) picks
-            ``"lax_vjp"`` on CPU, where XLA runs autodiff's ``lax`` weight-gradient
-            convolutions inside loops several times slower (jax-ml/jax#12868), and
-            ``"lax"`` on accelerators.
+        conv_impl: ``"lax"``, ``"patches"`` or ``"lax_vjp"``, for both convolutions; see
+            :func:`conv2d`. All use the same params and compute the same function.
+            ``"auto"`` (default) picks per backend and layer: on accelerators ``"lax"``;
+            on CPU ``"lax_vjp"`` for the 32-channel second convolution, where XLA runs
+            autodiff's ``lax`` weight-gradient convolutions inside loops several times
+            slower (jax-ml/jax#12868), and ``"patches"`` for the one-channel first, a
+            single ``[B*784, 25] @ [25, 32]`` product that XLA:CPU computes faster than its
+            one-input-channel convolution (``benchmarks/profile_step.py``: that
+            convolution ran at 9 GFLOP/s where the second ran at 68;
+            ``benchmarks/bench_conv.py`` times the whole step).
     """
     if conv_impl == "auto":
-        conv_impl = "lax_vjp" if jax.default_backend() == "cpu" else "lax"
-    if conv_impl not in CONV_IMPLS:
+        on_cpu = jax.default_backend() == "cpu"
+        impls = ("patches", "lax_vjp") if on_cpu else ("lax", "lax")
+    elif conv_impl in CONV_IMPLS:
+        impls = (conv_impl, conv_impl)
+    else:
         raise ValueError(f"unknown conv_impl {conv_impl!r}; allowed: {', '.join(CONV_IMPLS)}")
 
     def init(key: jax.Array) -> Params:
@@ -213,9 +221,9 @@ def cnn(conv_impl: str = "auto") -> Model:
     def apply(params: Params, x: jax.Array) -> jax.Array:
         h = _flat_features(x).reshape(-1, *_IMAGE_SHAPE)
         h = h.astype(params["conv1"]["kernel"].dtype)
-        for name in ("conv1", "conv2"):
+        for name, impl in zip(("conv1", "conv2"), impls, strict=True):
             p = params[name]
-            h = max_pool_2x2(jax.nn.relu(conv2d(h, p["kernel"], conv_impl) + p["bias"]))
+            h = max_pool_2x2(jax.nn.relu(conv2d(h, p["kernel"], impl) + p["bias"]))
         h = jax.nn.relu(_dense(params["dense1"], h.reshape(h.shape[0], -1)))
         return _dense(params["dense2"], h)
 

@@ -145,9 +145,11 @@ MNIST_CNN = Experiment(
     notes=_NOTES + """
 - The CNN is conv5×5(32)-pool-conv5×5(64)-pool-FC512-10 with 'same' padding, 1,663,370
   parameters (the paper's count; 'valid' padding would give 582,026). On CPU fedax runs the
-  convolutions as `lax.conv` with a hand-written reverse-mode rule (`conv_impl="lax_vjp"`;
-  tested equal to `lax.conv` and to finite differences); reports made before 2026-11-30 used
-  the patch-matmul form (`"patches"`), which differs only in float rounding.
+  second convolution as `lax.conv` with a hand-written reverse-mode rule (`"lax_vjp"`; tested
+  equal to `lax.conv` and to finite differences) and the one-channel first as one
+  patch-matmul product (`"patches"`): `conv_impl="auto"`, the default since 2026-11-30.
+  Reports made before then used `"patches"` or `"lax_vjp"` for both; the forms differ only
+  in float rounding.
 """,
     quick_notes="""
 On this 2-core CPU a CNN round costs about 10-20 s for FedAvg E=1, B=10 (6,000
