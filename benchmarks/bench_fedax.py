@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
     parser.add_argument("--strategy", default="default", help="MAP:STEPS:DEVICES or default")
-    parser.add_argument("--conv-impl", choices=("lax", "patches", "lax_vjp"), default=None,
+    parser.add_argument("--conv-impl", choices=("auto", "lax", "patches", "lax_vjp"), default=None,
                         help="CNN convolution form (default: the model's default)")
     parser.add_argument("--host-devices", type=int, default=None,
                         help="XLA host devices (default: DEVICES, or one per core for default)")

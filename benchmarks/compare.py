@@ -88,7 +88,7 @@ def fedax_configs(model: str, strategies: list[str] | None, conv_impls: list[str
             configs.append({"implementation": "fedax", "label": label,
                             "script": "bench_fedax.py", "args": args,
                             "is_default": strategy == "default"
-                            and conv in (None, "auto", "lax_vjp")})
+                            and conv in (None, "auto")})
     return configs
 
 
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
                         help="comma-separated MAP:STEPS:DEVICES or default (default: all)")
     parser.add_argument("--all-strategies", action="store_true",
                         help="also fedax's unroll:unroll (slow to compile)")
-    parser.add_argument("--conv-impls", default="lax_vjp,patches,lax",
+    parser.add_argument("--conv-impls", default="auto,lax_vjp,patches,lax",
                         help="CNN convolution forms for fedax (comma-separated)")
     parser.add_argument("--all-convs", action="store_true",
                         help="CNN: every strategy with every form (default: lax only with "
