@@ -60,6 +60,27 @@ def test_map_equals_sequential_with_padding_and_closures(pool, n):
     np.testing.assert_allclose(out[0]["s"], np.asarray(x).sum(axis=(1, 2)), rtol=1e-5)
 
 
+def test_broadcast_inputs_travel_once_per_worker(pool):
+    """The 1 MiB model that fed.broadcast places at 6 clients reaches each of the 2 workers
+    once, as the server value (3 MiB per worker if sent per client); a map whose only input
+    is broadcast still runs one client per row."""
+    w = jnp.ones(2**18, jnp.float32)
+    x = jnp.arange(18, dtype=jnp.float32).reshape(6, 3)
+
+    def program(w, x):
+        scaled = fed.map_clients(lambda wc, xc: jnp.sum(wc) * xc, fed.broadcast(w, 6), x)
+        only_model = fed.map_clients(lambda wc: jnp.sum(wc[:3]), fed.broadcast(w, 4))
+        return scaled, only_model
+
+    with fed.map_strategy(pool):
+        scaled = jax.jit(lambda w, x: program(w, x)[0])(w, x)
+        in_bytes = pool.last_timing["in_bytes"]
+        only_model = jax.jit(lambda w, x: program(w, x)[1])(w, x)
+    np.testing.assert_array_equal(scaled, np.asarray(x) * 2**18)
+    assert len(in_bytes) == 2 and all(2**20 <= b < 2**20 + 1024 for b in in_bytes), in_bytes
+    np.testing.assert_array_equal(only_model, np.full(4, 3.0, np.float32))
+
+
 def test_not_differentiable_names_the_fix(pool):
     x = jnp.ones((2, 3))
 

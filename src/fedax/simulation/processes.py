@@ -11,7 +11,9 @@ program in the calling process and sends only the client map out:
 * the round calls back (``jax.pure_callback``) with the clients' inputs; the callback
   splits the cohort into one contiguous block per worker (the last padded by repeating its
   last client, whose outputs are dropped), writes each block into shared memory, and the
-  workers, each a JAX runtime pinned to its own core, run the exported program on it;
+  workers, each a JAX runtime pinned to its own core, run the exported program on it. An
+  input that ``fed.broadcast`` placed at the clients (the model) is sent once per worker,
+  as the server value, not once per client;
 * the outputs are stacked back in client order and the round goes on (aggregation and
   the server update run in the calling process).
 
@@ -42,10 +44,30 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from fedax.federated._primitives import broadcast_p
 from fedax.simulation._client_worker import read_message, write_message
 from fedax.simulation.execution import usable_cores
 
 _ALIGN = 64
+
+
+def _broadcast_source(x: Any) -> Any:
+    """The server value that ``fed.broadcast`` placed at the clients as ``x`` in the program
+    being traced, or None (not traced, or made otherwise).
+
+    Reads the tracer's producing equation, which JAX's tracing keeps (``parent``); where a
+    JAX version does not, every input is simply sent per client.
+    """
+    eqn = getattr(x, "parent", None)
+    if getattr(eqn, "primitive", None) is not broadcast_p:
+        return None
+    sources = getattr(eqn, "in_tracers", None)
+    if not sources or len(sources) != 1:
+        return None
+    source = sources[0]
+    if getattr(source, "shape", None) != x.shape[1:] or source.dtype != x.dtype:
+        return None
+    return source
 
 
 def _layout(specs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> tuple[list[list], int]:
@@ -152,7 +174,8 @@ class ClientProcesses:
         self._workers: list[_Worker] = []
         self._programs: dict[str, bytes] = {}
         self._lock = threading.Lock()
-        # The last round's seconds: sending the blocks, each worker's run, the whole call.
+        # The last round's seconds (sending the blocks, each worker's run, the whole call)
+        # and the bytes of each worker's inputs.
         self.last_timing: dict[str, Any] = {}
 
     # ---- process management -----------------------------------------------------------
@@ -185,6 +208,14 @@ class ClientProcesses:
         impls = [jax.random.key_impl(a) if k else None for a, k in zip(flat_xs, keys, strict=True)]
         flat_xs = [jax.random.key_data(a) if k else a for a, k in zip(flat_xs, keys, strict=True)]
 
+        # Broadcast inputs travel once per worker as their server value; at least one input
+        # stays per client (it carries the block's length).
+        sources = [_broadcast_source(a) for a in flat_xs]
+        if all(src is not None for src in sources):
+            sources[0] = None
+        shared = [i for i, src in enumerate(sources) if src is not None]
+        per_client = [i for i, src in enumerate(sources) if src is None]
+
         def one_client(*flat):
             leaves = [jax.random.wrap_key_data(a, impl=i) if k else a
                       for a, k, i in zip(flat, keys, impls, strict=True)]
@@ -201,15 +232,29 @@ class ClientProcesses:
         hoisted = [c for c, h in zip(closed.consts, hoist, strict=True) if h]
         jaxpr = closed.jaxpr
 
-        def block_program(*args):  # flat: the hoisted values, then the clients' inputs
-            consts, block_xs = args[: len(hoisted)], args[len(hoisted) :]
+        def block_program(*args):
+            # flat: the hoisted values, the shared server values, the clients' own inputs
+            consts = args[: len(hoisted)]
+            values = args[len(hoisted) : len(hoisted) + len(shared)]
+            block_xs = args[len(hoisted) + len(shared) :]
             it = iter(consts)
             merged = [next(it) if h else c for c, h in zip(closed.consts, hoist, strict=True)]
             run_one = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, merged))
-            return jax.lax.map(lambda args: tuple(run_one(*args)), tuple(block_xs))
 
-        const_avals = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in hoisted]
-        block_avals = [jax.ShapeDtypeStruct((block, *a.shape[1:]), a.dtype) for a in flat_xs]
+            def client(own):
+                leaves = [None] * len(flat_xs)
+                for i, v in zip(shared, values, strict=True):
+                    leaves[i] = v
+                for i, v in zip(per_client, own, strict=True):
+                    leaves[i] = v
+                return tuple(run_one(*leaves))
+
+            return jax.lax.map(client, tuple(block_xs))
+
+        server_values = [sources[i] for i in shared]
+        const_avals = [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in hoisted + server_values]
+        block_avals = [jax.ShapeDtypeStruct((block, *flat_xs[i].shape[1:]), flat_xs[i].dtype)
+                       for i in per_client]
         # Exported while the round is traced: the local-steps strategy in force applies.
         exported = jax.export.export(jax.jit(block_program), platforms=("cpu",))(
             *const_avals, *block_avals
@@ -223,7 +268,8 @@ class ClientProcesses:
         def host(consts, block_inputs):
             return self._run(key, workers, block, n, consts, block_inputs, result_shapes)
 
-        outs = _not_differentiable(host, result_shapes, list(hoisted), list(flat_xs))
+        outs = _not_differentiable(host, result_shapes, list(hoisted) + server_values,
+                                   [flat_xs[i] for i in per_client])
         return jax.tree.unflatten(out_tree, outs)
 
     def _run(self, key, workers, block, n, consts, inputs, result_shapes):
@@ -249,11 +295,13 @@ class ClientProcesses:
             # Every worker's outputs have the same layout: a block of clients each.
             out_leaves, out_size = _layout([((block, *r.shape[1:]), r.dtype)
                                             for r in result_shapes])
+            in_bytes = []
             for w, worker in enumerate(pool):
                 lo, hi = w * block, min(n, (w + 1) * block)
                 rows = np.minimum(np.arange(lo, lo + block), hi - 1)  # pad: repeat the last
                 block_in = consts + [a[lo:hi] if hi - lo == block else a[rows] for a in inputs]
                 in_leaves, in_size = _layout([(a.shape, a.dtype) for a in block_in])
+                in_bytes.append(in_size)
                 shm_in = worker.segment("in", in_size)
                 for (offset, _, _), a in zip(in_leaves, block_in, strict=True):
                     np.ndarray(a.shape, a.dtype, buffer=shm_in.buf, offset=offset)[...] = a
@@ -264,7 +312,8 @@ class ClientProcesses:
                     "out": {"name": shm_out.name, "leaves": out_leaves},
                 })
             results = [[] for _ in result_shapes]
-            self.last_timing = {"send_s": time.perf_counter() - start, "workers_s": []}
+            self.last_timing = {"send_s": time.perf_counter() - start, "workers_s": [],
+                                "in_bytes": in_bytes}
             for w, worker in enumerate(pool):
                 self.last_timing["workers_s"].append(worker.reply()["seconds"])
                 real = min(n, (w + 1) * block) - w * block  # the block's clients, no padding
