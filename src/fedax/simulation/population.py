@@ -48,7 +48,12 @@ from fedax.algorithms import CohortBatches, FederatedAlgorithm
 from fedax.client import Batches
 from fedax.data import ClientData, make_cohort, num_local_steps
 from fedax.data.synthetic import COV_EXPONENT, SIZE_LOG_MEAN, SIZE_LOG_SIGMA, SIZE_OFFSET
-from fedax.simulation.execution import Execution, choose_execution, use_execution
+from fedax.simulation.execution import (
+    Execution,
+    choose_execution,
+    compiler_options,
+    use_execution,
+)
 from fedax.simulation.runner import Callback, History, _maybe_mesh, _pad_cohort
 
 Split = Literal["train", "test", "all"]
@@ -482,7 +487,9 @@ def run_population(
         return getattr(state, client_state_field)
 
     with use_execution(execution), _maybe_mesh(mesh):
-        round_fn = jax.jit(device_round, donate_argnums=(0,))
+        # Compiled with the runner's XLA options (compiler_options), as every fedax round.
+        round_fn = jax.jit(device_round, donate_argnums=(0,),
+                           compiler_options=compiler_options())
         base_key = jax.random.key(seed)
         state = algorithm.init(init_params, jax.random.fold_in(base_key, -1 & 0x7FFFFFFF))
         if mesh is not None:
