@@ -60,7 +60,8 @@ def test_gather_decodes_exactly_and_respects_a_clients_sharding(mnist_small):
     x, _ = mnist_small
     idx = np.random.default_rng(0).integers(0, len(x), (4, 3, 5)).astype(np.int32)
     features = dd.put_features(x)
-    got = jax.jit(lambda v, i: dd.gather_features(v, features.table, i))(features.values, idx)
+    got = jax.jit(lambda v, i: dd.cohort_features(v, features.table, i).decode())(
+        features.values, idx)
     np.testing.assert_array_equal(np.asarray(got), x[idx])  # NumPy reference
     assert got.dtype == np.float32
 
@@ -69,12 +70,12 @@ def test_gather_decodes_exactly_and_respects_a_clients_sharding(mnist_small):
     with jax.set_mesh(mesh):
         values = dd.put_features(x, NamedSharding(mesh, PartitionSpec())).values
         sharded_idx = jax.device_put(idx, NamedSharding(mesh, PartitionSpec("clients")))
-        got = jax.jit(lambda v, i: dd.gather_features(
-            v, features.table, i, PartitionSpec("clients")))(values, sharded_idx)
+        got = jax.jit(lambda v, i: dd.cohort_features(
+            v, features.table, i, PartitionSpec("clients")).codes)(values, sharded_idx)
     assert got.sharding.spec[0] == "clients"
     # each device holds only its own client's examples
     assert {s.data.shape for s in got.addressable_shards} == {(1, 3, 5, 28, 28, 1)}
-    np.testing.assert_array_equal(np.asarray(got), x[idx])
+    np.testing.assert_array_equal(np.asarray(got) / np.float32(255), x[idx])
 
 
 @pytest.mark.parametrize("devices", [1, 2])

@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fedax.client import BYTE_SCALE_TABLE, ByteCoded
@@ -57,26 +56,15 @@ class DeviceFeatures(NamedTuple):
     table: np.ndarray | None
 
 
-def gather_features(
-    values: jax.Array, table: np.ndarray | None, idx: jax.Array, out_sharding=None
-) -> jax.Array:
-    """The features of examples ``idx`` (any shape): ``values[idx]``, decoded through
-    ``table`` when ``values`` hold codes. ``values`` may be traced; ``table`` is a constant.
-    ``out_sharding`` (a ``PartitionSpec``) is the result's sharding under an explicit mesh,
-    e.g. ``P('clients')`` when ``idx`` is sharded over clients."""
-    got = cohort_features(values, table, idx, out_sharding)
-    if not isinstance(got, ByteCoded):
-        return got
-    # uint8 codes index the table directly (no int32 copy of the cohort's codes).
-    return take(jnp.asarray(table), got.codes, out_sharding)
-
-
 def cohort_features(
     values: jax.Array, table: np.ndarray | None, idx: jax.Array, out_sharding=None
 ) -> jax.Array | ByteCoded:
-    """The features of examples ``idx`` as a cohort carries them: ``ByteCoded`` codes when
-    ``values`` hold codes (decoded per step by ``local_train``: the round never holds the
-    cohort's float features), else ``values[idx]``."""
+    """The features of examples ``idx`` (any shape) as a cohort carries them: ``ByteCoded``
+    codes when ``values`` hold codes (decoded per step by ``local_train``: the round never
+    holds the cohort's float features), else ``values[idx]``. ``values`` may be traced;
+    ``table`` is a constant. ``out_sharding`` (a ``PartitionSpec``) is the result's
+    sharding under an explicit mesh, e.g. ``P('clients')`` when ``idx`` is sharded over
+    clients."""
     got = take(values, idx, out_sharding)
     if table is None:
         return got
