@@ -281,12 +281,19 @@ def _pss_bytes(pid: int) -> int:
     return 0
 
 
+def tree_memory(root: int | None = None) -> tuple[int, int]:
+    """(RSS, PSS) bytes summed over the process tree under ``root`` (default: this process),
+    from one scan of /proc. PSS is the memory the tree holds, each shared page (a library's
+    text, shared memory between a process and its workers) counted once in total rather
+    than once per process as with RSS."""
+    table = _proc_table()
+    pids = _tree(table, os.getpid() if root is None else root)
+    return sum(table[p][2] for p in pids), sum(_pss_bytes(p) for p in pids)
+
+
 def tree_pss(root: int | None = None) -> int:
-    """PSS summed over the process tree under ``root`` (default: this process): the memory
-    the tree holds, each shared page (a library's text, shared memory between a process
-    and its workers) counted once in total rather than once per process as with RSS."""
-    pids = _tree(_proc_table(), os.getpid() if root is None else root)
-    return sum(_pss_bytes(p) for p in pids)
+    """PSS summed over the process tree under ``root`` (see :func:`tree_memory`)."""
+    return tree_memory(root)[1]
 
 
 def tree_usage(root: int | None = None) -> tuple[int, int]:
@@ -346,8 +353,9 @@ class RssMonitor:
     def _run(self):
         while not self._stop.is_set():
             try:
-                self.peak_sampled = max(self.peak_sampled, tree_usage()[1])
-                self.peak_pss_bytes = max(self.peak_pss_bytes, tree_pss())
+                rss, pss = tree_memory()
+                self.peak_sampled = max(self.peak_sampled, rss)
+                self.peak_pss_bytes = max(self.peak_pss_bytes, pss)
             except OSError:
                 pass
             self._stop.wait(self.interval)
