@@ -292,16 +292,16 @@ class ClientProcesses:
                 if key not in worker.loaded:
                     worker.reply()
                     worker.loaded.add(key)
-            # Every worker's outputs have the same layout: a block of clients each.
+            # Every worker's inputs and outputs have the same layouts: the shared values and
+            # a block of clients each.
+            in_leaves, in_size = _layout([(c.shape, c.dtype) for c in consts]
+                                         + [((block, *a.shape[1:]), a.dtype) for a in inputs])
             out_leaves, out_size = _layout([((block, *r.shape[1:]), r.dtype)
                                             for r in result_shapes])
-            in_bytes = []
             for w, worker in enumerate(pool):
                 lo, hi = w * block, min(n, (w + 1) * block)
                 rows = np.minimum(np.arange(lo, lo + block), hi - 1)  # pad: repeat the last
                 block_in = consts + [a[lo:hi] if hi - lo == block else a[rows] for a in inputs]
-                in_leaves, in_size = _layout([(a.shape, a.dtype) for a in block_in])
-                in_bytes.append(in_size)
                 shm_in = worker.segment("in", in_size)
                 for (offset, _, _), a in zip(in_leaves, block_in, strict=True):
                     np.ndarray(a.shape, a.dtype, buffer=shm_in.buf, offset=offset)[...] = a
@@ -313,7 +313,7 @@ class ClientProcesses:
                 })
             results = [[] for _ in result_shapes]
             self.last_timing = {"send_s": time.perf_counter() - start, "workers_s": [],
-                                "in_bytes": in_bytes}
+                                "in_bytes": [in_size] * len(pool)}
             for w, worker in enumerate(pool):
                 self.last_timing["workers_s"].append(worker.reply()["seconds"])
                 real = min(n, (w + 1) * block) - w * block  # the block's clients, no padding
