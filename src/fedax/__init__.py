@@ -1,3 +1,72 @@
-"""fedax: federated learning in JAX."""
+"""fedax: federated learning in JAX.
+
+The layers are subpackages (``fedax.federated``, ``fedax.data``, ``fedax.models``,
+``fedax.client``, ``fedax.algorithms``, ``fedax.hyper``, ``fedax.simulation``); the most used
+names are also here: ``fedavg``, ``fedsgd``, ``fedprox``, ``scaffold``, ``get_model``,
+``ClientData``, ``make_cohort``, ``cohort_batches`` and ``run`` (the simulation runner).
+
+All of them load on first use (PEP 562 ``__getattr__``): ``import fedax`` imports neither
+JAX nor the layers, ``import fedax.data`` does not pull in the simulation, and this module
+never runs while a layer is half imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+_SUBPACKAGES = ("algorithms", "client", "data", "federated", "hyper", "models", "simulation")
+_NAMES = {  # name -> the subpackage that defines it
+    "ClientData": "data",
+    "cohort_batches": "simulation",
+    "fedavg": "algorithms",
+    "fedprox": "algorithms",
+    "fedsgd": "algorithms",
+    "get_model": "models",
+    "make_cohort": "data",
+    "run": "simulation",
+    "scaffold": "algorithms",
+}
+
+if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ loads these
+    from fedax import algorithms, client, data, federated, hyper, models, simulation
+    from fedax.algorithms import fedavg, fedprox, fedsgd, scaffold
+    from fedax.data import ClientData, make_cohort
+    from fedax.models import get_model
+    from fedax.simulation import cohort_batches, run
+
+__all__ = [
+    "ClientData",
+    "__version__",
+    "algorithms",
+    "client",
+    "cohort_batches",
+    "data",
+    "federated",
+    "fedavg",
+    "fedprox",
+    "fedsgd",
+    "get_model",
+    "hyper",
+    "make_cohort",
+    "models",
+    "run",
+    "scaffold",
+    "simulation",
+]
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"fedax.{name}")  # the import binds it here too
+    if name in _NAMES:
+        value = getattr(importlib.import_module(f"fedax.{_NAMES[name]}"), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
+    raise AttributeError(f"module 'fedax' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -8,6 +8,7 @@ from fedax.simulation.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from fedax.simulation.cohorts import cohort_batches
 from fedax.simulation.execution import Execution, choose_execution, use_execution
 from fedax.simulation.population import (
     ClientStateStore,
@@ -15,17 +16,27 @@ from fedax.simulation.population import (
     run_population,
     sample_cohort,
 )
-from fedax.simulation.runner import History, make_evaluator, rounds_to_target, run
+from fedax.simulation.runner import (
+    DivergenceError,
+    History,
+    RunInterrupted,
+    make_evaluator,
+    rounds_to_target,
+    run,
+)
 
 __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointWarning",
     "ClientStateStore",
+    "DivergenceError",
     "Execution",
     "VirtualPopulation",
     "History",
+    "RunInterrupted",
     "choose_execution",
+    "cohort_batches",
     "latest_checkpoint",
     "load_checkpoint",
     "make_evaluator",
