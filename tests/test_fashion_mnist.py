@@ -126,6 +126,8 @@ def test_default_sources_and_pins():
     assert set(fashion_mnist.SHA256) == set(NAMES)
     assert all(len(h) == 64 and int(h, 16) >= 0 for h in fashion_mnist.SHA256.values())
     assert not set(fashion_mnist.SHA256.values()) & set(mnist.SHA256.values())
+    for pins in (fashion_mnist.DEBIAN_GZ_SHA256, fashion_mnist.MIRROR_GZ_SHA256):
+        assert set(pins) == set(NAMES) and all(len(h) == 64 for h in pins.values())
     assert len(fashion_mnist.CLASSES) == 10
 
 
@@ -137,7 +139,8 @@ def test_real_fashion_mnist_from_debian_package(tmp_path):
         if os.environ.get("CI"):
             pytest.fail(f"{fashion_mnist.DEBIAN_PACKAGE} is not installed, but .ci/run installs it")
         pytest.skip(f"{fashion_mnist.DEBIAN_PACKAGE} not installed")
-    data = load_fashion_mnist(tmp_path, sources=[local_gzip_source(fashion_mnist.DEBIAN_DIR)])
+    debian = fashion_mnist.default_sources()[0]  # the .gz files checked against their pins
+    data = load_fashion_mnist(tmp_path, sources=[debian], log=lambda line: None)
     assert data["x_train"].shape == (60000, 28, 28, 1)
     assert data["x_test"].shape == (10000, 28, 28, 1)
     assert data["x_train"].min() == 0.0 and data["x_train"].max() == 1.0

