@@ -15,6 +15,24 @@ import pytest  # noqa: E402
 jax.config.update("jax_enable_x64", False)
 
 
+def _child_env() -> dict[str, str]:
+    """The environment for a fedax subprocess: the device count flag (and FEDAX_DEVICES)
+    removed, so the child chooses its own, every other XLA flag kept (e.g.
+    ``--xla_cpu_max_isa=AVX2``, under which the suite also runs)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FEDAX_DEVICES", "FEDAX_DEBUG")}
+    flags = [f for f in env.pop("XLA_FLAGS", "").split()
+             if "xla_force_host_platform_device_count" not in f]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
+@pytest.fixture
+def child_env():
+    """See ``_child_env``."""
+    return _child_env()
+
+
 @pytest.fixture
 def mesh():
     """An 8-device mesh with one axis named 'clients' (jax's default axis types)."""

@@ -149,8 +149,9 @@ def test_comm_cost_of_each_mode_matches_hand_count():
     """A round of FedAvg on a model of P floats with C clients, then the holdout loss:
     forward: down = C·P·4 (model) + C·P·4 (model after the round, to the holdout clients);
     up = C·P·4 (client deltas) + C·4·3 (weights for the delta mean; loss and its weights
-    for the train-loss metric and the local-steps metric) + holdout: C·4 (losses) + C·4
-    (weights). We count exactly what the program does, then check the modes' ratios."""
+    for the train-loss metric and the local-steps metric) + C·4 (one non-finite indicator
+    per client, summed into ``rejected_clients``) + holdout: C·4 (losses) + C·4 (weights).
+    We count exactly what the program does, then check the modes' ratios."""
     rng = np.random.default_rng(0)
     params = {"w": jnp.zeros((D, K), jnp.float32), "b": jnp.zeros(K, jnp.float32)}
     p_bytes = (D * K + K) * 4
@@ -160,9 +161,10 @@ def test_comm_cost_of_each_mode_matches_hand_count():
     state = alg.init(params, None)
 
     round_cost = fed.comm_cost(alg.round, state, train, None)
-    # broadcast the model; clients send deltas, and 3 weighted means each sum the weights
+    # broadcast the model; clients send deltas, 3 weighted means each sum the weights, and
+    # each client's non-finite bit is summed
     assert round_cost.server_to_clients_bytes == C * p_bytes
-    assert round_cost.clients_to_server_bytes == C * p_bytes + 3 * C * 4 + 2 * C * 4
+    assert round_cost.clients_to_server_bytes == C * p_bytes + 3 * C * 4 + 2 * C * 4 + C * 4
 
     def holdout_loss(lr):
         a = fedavg(loss_fn, optax.sgd(0.1), optax.sgd(lr))

@@ -126,28 +126,37 @@ def test_fedax_run_builds_every_algorithm_family(tmp_path, algorithm, extra):
     assert summary["final_test_accuracy"] > 0.3
 
 
-def test_devices_flag_shards_the_cohort_and_gives_one_devices_numbers(tmp_path):
-    """`fedax run --devices N` (in a fresh process, as JAX reads the device count once)."""
-    import os
+def test_devices_flag_shards_the_cohort_and_gives_one_devices_numbers(tmp_path, child_env):
+    """`fedax run --devices N` (in a fresh process, as JAX reads the device count once).
+
+    The README's guarantee across device counts: the same computation with float sums in
+    another order, so equal to float32 rounding after a round (relative 1e-5 on the
+    metrics), with later rounds drifting apart only by amplified rounding (2 rounds:
+    losses within relative 1e-3, test accuracy within 0.2 points). Seen on an AVX-512 CPU:
+    round 2's test accuracy 0.8926 with one device and 0.8930 with two.
+    """
     import subprocess
     import sys
 
     outs = {}
     for n in (1, 2):
         out = tmp_path / f"d{n}"
-        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "FEDAX_DEVICES")}
         subprocess.run(
             [sys.executable, "-m", "fedax.cli.main", "run", "mnist_2nn_noniid_fedavg",
              "--set", "rounds=2", "--set", "eval_every=1", "--set", "partition=iid",
              "--out", str(out), "--no-progress", "--devices", str(n)],
-            check=True, env=env, capture_output=True, timeout=300,
+            check=True, env=child_env, capture_output=True, timeout=300,
         )
         summary = json.loads((out / "summary.json").read_text())
         assert summary["execution"]["devices"] == n
         outs[n] = [json.loads(line) for line in (out / "metrics.jsonl").open()]
-    for a, b in zip(outs[1], outs[2], strict=True):
-        assert a["test_accuracy"] == b["test_accuracy"]
-        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-6)
+    first, second = outs[1], outs[2]
+    assert [r["round"] for r in first] == [r["round"] for r in second] == [1, 2]
+    for key in ("test_loss", "train_loss"):
+        assert first[0][key] == pytest.approx(second[0][key], rel=1e-5)
+        assert first[1][key] == pytest.approx(second[1][key], rel=1e-3)
+    assert first[0]["test_accuracy"] == pytest.approx(second[0]["test_accuracy"], abs=1e-4)
+    assert first[1]["test_accuracy"] == pytest.approx(second[1]["test_accuracy"], abs=2e-3)
 
 
 def test_a_run_leaves_the_callers_init_params_usable(small_mnist):

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from fedax import federated as fed
-from fedax.algorithms.base import CohortBatches, FederatedAlgorithm
+from fedax.algorithms.base import CohortBatches, FederatedAlgorithm, accept_finite
 from fedax.client import Batches, LossFn, local_train
 
 
@@ -60,8 +60,10 @@ def fedavg(
 
     Returns:
       A ``FederatedAlgorithm``. Its round metrics are ``train_loss`` (n_k-weighted mean of
-      the clients' mean local objective, i.e. ``loss_fn`` unless ``client_objective`` is
-      given) and ``local_steps`` (n_k-weighted mean of real local steps).
+      the accepted clients' mean local objective, i.e. ``loss_fn`` unless
+      ``client_objective`` is given), ``local_steps`` (n_k-weighted mean of their real local
+      steps) and ``rejected_clients`` (clients whose update or loss was not finite: they are
+      left out of the aggregate; see ``accept_finite``).
     """
     server_optimizer = server_optimizer or optax.sgd(1.0)
 
@@ -85,14 +87,18 @@ def fedavg(
             if client_weights is None
             else client_weights(cohort.num_examples, losses)
         )
-        pseudo_grad = fed.weighted_mean(deltas, weights)
+        # A client whose update (or loss) is not finite is left out, and counted.
+        accepted = accept_finite((deltas, losses), weights, cohort.num_examples)
+        pseudo_grad = fed.weighted_mean(deltas, accepted.weights)
         updates, opt_state = server_optimizer.update(
             pseudo_grad, state.server_opt_state, state.params
         )
         params = optax.apply_updates(state.params, updates)
+        counted = jnp.where(accepted.finite, cohort.num_examples, 0.0)
         metrics = {
-            "train_loss": fed.weighted_mean(losses, cohort.num_examples),
-            "local_steps": fed.weighted_mean(steps, cohort.num_examples),
+            "train_loss": fed.weighted_mean(losses, counted),
+            "local_steps": fed.weighted_mean(steps, counted),
+            "rejected_clients": accepted.rejected,
         }
         return FedAvgState(params, opt_state, state.round + 1), metrics
 

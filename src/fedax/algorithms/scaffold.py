@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import optax
 
 from fedax import federated as fed
-from fedax.algorithms.base import CohortBatches, FederatedAlgorithm
+from fedax.algorithms.base import CohortBatches, FederatedAlgorithm, accept_finite, keep_clients
 from fedax.client import Batches, LossFn, current_steps_strategy, local_train
 
 
@@ -87,15 +87,20 @@ def _vdot(a: Any, b: Any) -> jax.Array:
 def _scatter_rows(population: Any, rows: jax.Array, values: Any) -> Any:
     """``population[rows] = values`` leafwise; rows out of range are dropped.
 
-    ``values`` come out of ``map_clients``, so under an explicitly sharded ``clients`` mesh
-    axis they are sharded over it while the population table is not: they are first
-    resharded to the table's (replicated) layout, as a scatter of mixed layouts is an error.
+    ``values`` (and ``rows``, which depend on them) come out of ``map_clients``, so under an
+    explicitly sharded ``clients`` mesh axis they are sharded over it while the population
+    table is not: they are first resharded to the table's (replicated) layout, as a scatter
+    of mixed layouts is an error.
     """
 
+    def like(a, template):
+        if any(axis is not None for axis in jax.typeof(a).sharding.spec):
+            spec = jax.typeof(template).sharding.spec
+            a = jax.sharding.reshard(a, jax.sharding.PartitionSpec(*spec[:a.ndim]))
+        return a
+
     def scatter(pop, new):
-        if any(axis is not None for axis in jax.typeof(new).sharding.spec):
-            new = jax.sharding.reshard(new, jax.typeof(pop).sharding.spec)
-        return pop.at[rows].set(new, mode="drop")
+        return pop.at[like(rows, pop)].set(like(new, pop), mode="drop")
 
     return jax.tree.map(scatter, population, values)
 
@@ -232,7 +237,10 @@ def scaffold(
             weights = active.astype(cohort.num_examples.dtype)
         else:
             weights = cohort.num_examples
-        pseudo_grad = fed.weighted_mean(deltas, weights)
+        # A client whose update, control or loss is not finite is left out, and counted:
+        # it changes neither the model, nor c, nor its own c_i.
+        accepted = accept_finite((deltas, c_plus, losses), weights, cohort.num_examples)
+        pseudo_grad = fed.weighted_mean(deltas, accepted.weights)
         updates, opt_state = server_optimizer.update(
             pseudo_grad, state.server_opt_state, state.params
         )
@@ -240,14 +248,16 @@ def scaffold(
         control = jax.tree.map(
             lambda cs, dc: cs + dc / jnp.asarray(num_clients, dc.dtype),
             state.control,
-            fed.sum(delta_c),
+            fed.sum(keep_clients(delta_c, accepted.finite)),
         )
         # Scatter c_i⁺ back; non-participants get an out-of-range index and are dropped.
-        rows = jnp.where(active, ids, table_rows)
+        rows = jnp.where(active & accepted.finite, ids, table_rows)
         client_controls = _scatter_rows(state.client_controls, rows, c_plus)
+        counted = jnp.where(accepted.finite, cohort.num_examples, 0.0)
         metrics = {
-            "train_loss": fed.weighted_mean(losses, cohort.num_examples),
-            "local_steps": fed.weighted_mean(steps, cohort.num_examples),
+            "train_loss": fed.weighted_mean(losses, counted),
+            "local_steps": fed.weighted_mean(steps, counted),
+            "rejected_clients": accepted.rejected,
         }
         new_state = ScaffoldState(params, opt_state, control, client_controls, state.round + 1)
         return new_state, metrics

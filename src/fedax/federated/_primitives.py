@@ -35,6 +35,7 @@ from typing import Any, Literal, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec
@@ -248,6 +249,16 @@ def weighted_mean(x: Any, weights: jax.Array) -> Any:
     ``weights`` is client-placed with shape ``(n,)`` (for FedAvg, ``w_i = n_i``, the number
     of examples of client i). Differentiable in ``x`` and in ``weights`` (learned client
     weighting); both derivatives are again federated sums and broadcasts.
+
+    Edge cases, by definition:
+
+    * a client with ``w_i = 0`` is left out by selection, not multiplied by zero: its value
+      may be anything, NaN included (``0 · NaN`` would poison the sum), and contributes
+      nothing to the value or to either derivative;
+    * when every weight is zero (``sum_i w_i = 0``: nobody to average) the result is zeros,
+      i.e. "no update", never ``0/0``;
+    * weights must be ``>= 0``; concrete weights are checked (``ValueError``), traced ones
+      cannot be and are the caller's contract (a negative total also gives zeros).
     """
     n = _num_clients(x)
     weights = jnp.asarray(weights)
@@ -256,17 +267,26 @@ def weighted_mean(x: Any, weights: jax.Array) -> Any:
             f"weighted_mean weights must have shape ({n},) (one per client), "
             f"got {weights.shape}."
         )
+    if not isinstance(weights, jax.core.Tracer) and np.any(np.asarray(weights) < 0):
+        raise ValueError(
+            f"weighted_mean weights must be >= 0, got {np.asarray(weights).tolist()}; a "
+            "client that should not count takes weight 0."
+        )
+    selected = weights > 0
 
     def scale(leaf):
         leaf = jnp.asarray(leaf)
         dtype = jnp.promote_types(jnp.result_type(leaf, weights), jnp.float32)
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             leaf = leaf.astype(dtype)  # integer values with fractional weights
-        w = weights.reshape((n,) + (1,) * (leaf.ndim - 1)).astype(leaf.dtype)
-        return leaf * w
+        shape = (n,) + (1,) * (leaf.ndim - 1)
+        w = weights.reshape(shape).astype(leaf.dtype)
+        return jnp.where(selected.reshape(shape), leaf, jnp.zeros((), leaf.dtype)) * w
 
     total = sum(weights)
-    return jax.tree.map(lambda s: s / total.astype(s.dtype), sum(jax.tree.map(scale, x)))
+    # sum w_i = 0 makes every numerator term zero: divide by 1 instead of 0.
+    divisor = jnp.where(total > 0, total, jnp.ones_like(total))
+    return jax.tree.map(lambda s: s / divisor.astype(s.dtype), sum(jax.tree.map(scale, x)))
 
 
 # --------------------------------------------------------------------------------------

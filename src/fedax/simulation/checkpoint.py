@@ -18,6 +18,8 @@ File ``ckpt_<round>.msgpack`` (no pickle: loading a checkpoint runs no code)::
       fingerprint  map str -> scalar, identifies the run (compared on resume)
       history      list of the evaluation records (maps) so far
       elapsed_s    float, run time up to this checkpoint
+      counters     map str -> int, the runner's running counts (e.g. clients rejected since
+                   the last record); absent in older files, read as empty
       state        list of leaves in ``tree_flatten_with_path`` order, each a map
                    {path, dtype, shape, weak_type, key_impl, data}: ``data`` is the
                    little-endian C-order bytes (for a typed PRNG key array, the bytes of
@@ -41,7 +43,7 @@ import struct
 import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,7 @@ class Checkpoint:
     history: list[dict[str, Any]]
     fingerprint: dict[str, Any]
     elapsed_s: float
+    counters: dict[str, Any] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- pytrees
@@ -244,6 +247,7 @@ def save_checkpoint(
     history: Sequence[Mapping[str, Any]] = (),
     fingerprint: Mapping[str, Any] | None = None,
     elapsed_s: float = 0.0,
+    counters: Mapping[str, Any] | None = None,
     keep: int = 2,
 ) -> Path:
     """Writes ``ckpt_<round_>.msgpack`` atomically and keeps the newest ``keep`` files.
@@ -264,6 +268,7 @@ def save_checkpoint(
             "fingerprint": dict(fingerprint or {}),
             "history": [dict(r) for r in history],
             "elapsed_s": float(elapsed_s),
+            "counters": dict(counters or {}),
             "state": encode_state(state),
             "meta": {"fedax": str(fedax_version), "jax": jax.__version__},
         },
@@ -391,7 +396,7 @@ def _restore(path, data, template, fingerprint) -> Checkpoint:
         raise CheckpointError(f"checkpoint {path} has a malformed state: {err!r}") from None
     return Checkpoint(
         Path(path), int(data["round"]), state, list(data["history"]),
-        dict(data["fingerprint"]), float(data["elapsed_s"]),
+        dict(data["fingerprint"]), float(data["elapsed_s"]), dict(data.get("counters", {})),
     )
 
 

@@ -83,6 +83,26 @@ class History:
         return rounds_to_target(self.column("round"), self.column("test_accuracy"), target)
 
 
+class DivergenceError(FloatingPointError):
+    """A run stopped because round ``round`` produced a non-finite server model, or more of
+    its clients sent non-finite updates than ``max_rejected_fraction`` allows. The state of
+    that round is never checkpointed; the newest checkpoint (if any) is from before it."""
+
+    def __init__(self, message: str, round: int):  # noqa: A002 - the round number
+        super().__init__(message)
+        self.round = round
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: ``rounds_done`` rounds had finished, and ``checkpoint_round`` is
+    the round of the newest checkpoint this run saved or resumed from (None if none)."""
+
+    def __init__(self, rounds_done: int, checkpoint_round: int | None):
+        super().__init__(f"interrupted after round {rounds_done}")
+        self.rounds_done = rounds_done
+        self.checkpoint_round = checkpoint_round
+
+
 Callback = Callable[[dict[str, Any]], None]
 """Called with each evaluation record. A callback may also have an ``on_resume(records)``
 method: a resumed run calls it once, before its first round, with the records restored
@@ -137,6 +157,13 @@ def make_evaluator(
         return float(acc), float(loss)
 
     return run
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    """Whether every inexact leaf of ``tree`` is finite (one boolean, on the device)."""
+    checks = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
+              if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+    return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
 
 def _maybe_mesh(mesh):
@@ -207,6 +234,7 @@ def run(
     fingerprint: Mapping[str, Any] | None = None,
     straggler_fraction: float = 0.0,
     drop_stragglers: bool = False,
+    max_rejected_fraction: float = 0.5,
 ) -> History:
     """Run ``rounds`` rounds of ``algorithm`` on ``train``, evaluating every ``eval_every``.
 
@@ -247,10 +275,20 @@ def run(
         (``drop_stragglers``; FedAvg's treatment in the paper) instead of aggregating their
         partial work. Requires ``round(straggler_fraction * C) < C``, so that at least one
         client of every cohort runs E epochs.
+      max_rejected_fraction: every round, clients whose update is not finite are left out
+        of the aggregate and counted (the algorithm's ``rejected_clients`` metric; each
+        record holds the count since the previous record). A round in which more than this
+        fraction of its clients were rejected stops the run with ``DivergenceError``, as
+        does a round whose server model is not finite (checked inside the compiled round).
+        Either way the run stops before that round's state is checkpointed.
 
     Returns:
       The ``History`` of evaluation records (restored ones included), with the final
       algorithm state.
+
+    Raises:
+      DivergenceError: see ``max_rejected_fraction``.
+      RunInterrupted: on Ctrl-C, with the rounds done and the newest checkpoint's round.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}.")
@@ -260,6 +298,9 @@ def run(
         raise ValueError("checkpoint_every > 0 and resume=True need a checkpoint_dir.")
     if not 0.0 <= straggler_fraction <= 1.0:
         raise ValueError(f"straggler_fraction must be in [0, 1], got {straggler_fraction}.")
+    if not 0.0 <= max_rejected_fraction <= 1.0:
+        raise ValueError(
+            f"max_rejected_fraction must be in [0, 1], got {max_rejected_fraction}.")
     cohort_size = len(sample_clients(0, train.num_clients, client_fraction))
     if drop_stragglers and round(straggler_fraction * cohort_size) >= cohort_size:
         raise ValueError(
@@ -306,7 +347,11 @@ def run(
     def device_round(state, x_all, y_all, idx, mask, num_examples, client_ids, key):
         x = cohort_features(x_all, table, idx, block_spec)
         batches = Batches(x, take(y_all, idx, block_spec), mask)
-        return algorithm.round(state, CohortBatches(batches, num_examples, client_ids), key)
+        state, metrics = algorithm.round(
+            state, CohortBatches(batches, num_examples, client_ids), key)
+        metrics = dict(metrics)
+        metrics["server_finite"] = _all_finite(algorithm.server_params(state))
+        return state, metrics
 
     def reached(record: dict[str, Any]) -> bool:
         return (stop_at_target and target_accuracy is not None
@@ -323,6 +368,8 @@ def run(
         state = jax.device_put(jax.tree.map(jnp.copy, state), home)
         history = History()
         first, elapsed_before = 0, 0.0
+        # Clients rejected since the last record, and the newest checkpoint's round.
+        rejected_since_record, checkpoint_round = 0, None
         if resume:
             # The fresh state is the template: a restored state gets its structure (checked
             # leaf by leaf) and its placement, so the rounds compile and run as in a fresh run.
@@ -335,6 +382,8 @@ def run(
             else:
                 state, first = restored.state, restored.round
                 elapsed_before = restored.elapsed_s
+                checkpoint_round = restored.round
+                rejected_since_record = int(restored.counters.get("rejected_clients", 0))
                 history = History(list(restored.history), resumed_from=restored.round)
                 for callback in callbacks:
                     on_resume = getattr(callback, "on_resume", None)
@@ -344,9 +393,29 @@ def run(
                     first = rounds  # the run had stopped at the target
         elif checkpoint_every:
             ckpt.remove_checkpoints(checkpoint_dir)
+        done = first  # rounds finished and checked
+
+        def settle(dispatched) -> None:
+            """Wait for a dispatched round and check it; raise if it diverged."""
+            nonlocal rejected_since_record, done
+            number, metrics, real = dispatched
+            rejected = int(metrics.get("rejected_clients", 0))
+            rejected_since_record += rejected
+            if not bool(metrics["server_finite"]):
+                raise DivergenceError(
+                    f"round {number}: the server model is no longer finite (NaN or inf); "
+                    "lower client_lr or server.lr", number)
+            if rejected > max_rejected_fraction * real:
+                raise DivergenceError(
+                    f"round {number}: {rejected} of {real} clients sent non-finite updates, "
+                    f"more than max_rejected_fraction={max_rejected_fraction}; lower "
+                    "client_lr, or check those clients' data", number)
+            done = number
+
         start = time.perf_counter()
         bar = tqdm(range(first, rounds), desc="rounds", unit="round", disable=not progress,
                    initial=first, total=rounds)
+        pending = None  # the last dispatched round, not yet checked
         try:
             for t in bar:
                 rng = np.random.default_rng([seed, t])
@@ -362,43 +431,62 @@ def run(
                 idx, mask = cohort.idx, cohort.mask
                 if client_block is not None:  # each device receives its own clients' batches
                     idx, mask = jax.device_put((idx, mask), client_block)
+                # The previous round is checked only now: its cohort was built on the host
+                # while the device computed it.
+                if pending is not None:
+                    settle(pending)
+                    pending = None
                 state, metrics = round_fn(
                     state, x_all, y_all, idx, mask, cohort.num_examples, cohort.client_ids, key,
                 )
+                pending = (t + 1, metrics, len(ids))
+                evaluating = (t + 1) % eval_every == 0 or t + 1 == rounds
+                due = (t + 1) % checkpoint_every == 0 if checkpoint_every else False
+                if not (evaluating or due):
+                    continue
+                settle(pending)  # never evaluate or save a round that diverged
+                pending = None
                 record, diverged, stop = None, False, False
-                if (t + 1) % eval_every == 0 or t + 1 == rounds:
+                if evaluating:
                     acc, loss = evaluate(algorithm.server_params(state))
                     record = {
                         "round": t + 1,
                         "test_accuracy": acc,
                         "test_loss": loss,
                         "train_loss": float(metrics["train_loss"]),
+                        "rejected_clients": rejected_since_record,
                         "elapsed_s": elapsed_before + time.perf_counter() - start,
                     }
+                    rejected_since_record = 0
                     history.records.append(record)
                     bar.set_postfix(acc=f"{acc:.4f}", loss=f"{loss:.3f}")
                     diverged = not (math.isfinite(loss) and math.isfinite(record["train_loss"]))
                     stop = reached(record)
                 # Save before the callbacks run: a callback that fails (or a kill while it
                 # runs) loses no finished round. A diverged state is not saved.
-                due = (t + 1) % checkpoint_every == 0 if checkpoint_every else False
                 if checkpoint_every and not diverged and (due or stop or t + 1 == rounds):
                     ckpt.save_checkpoint(
                         checkpoint_dir, t + 1, state, history=history.records,
                         fingerprint=identity,
                         elapsed_s=elapsed_before + time.perf_counter() - start,
+                        counters={"rejected_clients": rejected_since_record},
                     )
+                    checkpoint_round = t + 1
                 if record is None:
                     continue
                 for callback in callbacks:
                     callback(record)
                 if diverged:
-                    raise FloatingPointError(
+                    raise DivergenceError(
                         f"round {t + 1}: the model diverged (test loss {record['test_loss']}, "
-                        f"train loss {record['train_loss']}); lower client_lr or server.lr."
-                    )
+                        f"train loss {record['train_loss']}); lower client_lr or server.lr",
+                        t + 1)
                 if stop:
                     break
+            if pending is not None:
+                settle(pending)
+        except KeyboardInterrupt:
+            raise RunInterrupted(done, checkpoint_round) from None
         finally:
             bar.close()
     history.state = state
