@@ -43,6 +43,7 @@ VALID = {
     "shakespeare": {"max_clients": None, "sample": "chunk", "seq_len": 80},
     "stragglers": 0.0,
     "drop_stragglers": False,
+    "max_rejected_fraction": 0.5,
 }
 
 
@@ -202,6 +203,27 @@ def test_unreadable_or_malformed_files(write, tmp_path):
         load_config(write("- 1\n- 2\n"))
     with pytest.raises(ConfigError, match="'rounds' is required"):
         load_config(write(""))
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("rounds: 3\nseed: 1\nrounds: 5\n", "key 'rounds' twice (lines 1 and 3)"),
+    ("server:\n  lr: 0.5\n  optimizer: sgd\n  lr: 1\n", "key 'lr' twice (lines 2 and 4)"),
+    ("server: {lr: 0.5, lr: 1}\n", "key 'lr' twice (line 1)"),
+])
+def test_a_key_given_twice_is_an_error_naming_it_and_its_lines(write, text, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(text))
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_yaml_merge_keys_may_be_overridden(write):
+    text = yaml.safe_dump({k: v for k, v in VALID.items() if k != "server"})
+    config = load_config(write(text + "server:\n  <<: {lr: 0.5, optimizer: sgd}\n  lr: 0.25\n"))
+    assert config.server.lr == 0.25 and config.server.optimizer == "sgd"
+
+
+def test_the_last_set_of_a_key_wins(write):
+    assert load_config(write(VALID), ["rounds=3", "rounds=4"]).rounds == 4
 
 
 def test_check_against_data():

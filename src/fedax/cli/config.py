@@ -155,6 +155,9 @@ class Config(_Section):
     # with drop_stragglers, those that ran fewer than E get weight 0 (FedAvg's treatment).
     stragglers: Number = Field(0.0, ge=0, le=1)
     drop_stragglers: bool = False
+    # Clients whose update is not finite are left out and counted; a round that rejects more
+    # than this fraction of its cohort stops the run (fedax.simulation.run).
+    max_rejected_fraction: Number = Field(0.5, ge=0, le=1)
     eval_every: int = Field(1, ge=1)
     target_accuracy: Number | None = Field(None, gt=0, le=1)
     stop_at_target: bool = False
@@ -359,6 +362,31 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         raise ConfigError(f"--set {override!r}: value is not valid YAML ({e.problem})") from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice in one mapping is an error (YAML requires
+    unique keys; PyYAML would silently keep the last value)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                break
+            if first is not None:
+                where = f"line {line}" if first == line else f"lines {first} and {line}"
+                raise ConfigError(
+                    f"config file '{key_node.start_mark.name}' gives key '{key}' twice"
+                    f" ({where}); keep one"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | PathLike[str], overrides: Iterable[str] = ()) -> Config:
     """Reads a YAML config, applies ``--set key=value`` overrides, and validates it.
 
@@ -366,18 +394,18 @@ def load_config(path: str | PathLike[str], overrides: Iterable[str] = ()) -> Con
         path: the YAML file.
         overrides: ``key=value`` strings; dotted keys reach nested sections
             (``server.lr=0.5``); values are parsed as YAML (``3``, ``0.1``, ``inf``,
-            ``true``, ``null``).
+            ``true``, ``null``). Applied in order: of two for the same key, the last wins.
 
     Returns:
         The validated :class:`Config`.
 
     Raises:
-        ConfigError: unreadable file, invalid YAML, malformed or unknown override, or
-            an invalid value; one line naming the key.
+        ConfigError: unreadable file, invalid YAML, a key given twice in one mapping,
+            malformed or unknown override, or an invalid value; one line naming the key.
     """
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+            data = yaml.load(f, Loader=_UniqueKeyLoader)
     except OSError as e:
         raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from None
     except yaml.YAMLError as e:

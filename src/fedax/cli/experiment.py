@@ -4,6 +4,12 @@ Outputs in ``out_dir``: ``metrics.jsonl`` (one JSON object per evaluation), ``su
 (config, seed, final accuracy, rounds to target) and ``accuracy.png``; with
 ``checkpoint_every > 0``, ``checkpoints/ckpt_<round>.msgpack`` (the last two), from which
 ``resume=True`` continues: ``metrics.jsonl`` then ends up as an uninterrupted run's.
+
+Nothing is lost on the way: a run touches no earlier output until its first evaluation (so
+a refused resume or a failed start leaves the directory as it was), ``summary.json``,
+``accuracy.png`` and every rewrite of ``metrics.jsonl`` are written atomically, and the
+JSON is strict: a non-finite number is written as ``null`` and marks its record (and the
+summary) ``"status": "diverged"``; other records say ``"status": "ok"``.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,10 +36,14 @@ from fedax.cli.config import (
     SyntheticConfig,
     check_against_data,
     config_to_dict,
+    validate_config,
 )
 from fedax.client import Batches
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.simulation import Execution, History, choose_execution, make_evaluator, run
+
+# A directory holding any of these holds a run (``checkpoints`` is a directory).
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")
 
 _DATASETS: dict[str, Any] = {}
 
@@ -95,45 +107,187 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
                           client_lr=config.client_lr, **options)
 
 
-def plot_curves(curves: dict[str, History], path: Path, target: float | None = None) -> None:
-    """Test accuracy against communication rounds, one line per run."""
+def strict_json(value: Any) -> tuple[Any, bool]:
+    """``value`` with every non-finite float (NaN, inf) replaced by None, and whether there
+    was one; dicts, lists and tuples are walked."""
+    if isinstance(value, (float, np.floating)):
+        return (float(value), False) if math.isfinite(value) else (None, True)
+    if isinstance(value, dict):
+        items = {k: strict_json(v) for k, v in value.items()}
+        return {k: v for k, (v, _) in items.items()}, any(bad for _, bad in items.values())
+    if isinstance(value, (list, tuple)):
+        items = [strict_json(v) for v in value]
+        return [v for v, _ in items], any(bad for _, bad in items)
+    return value, False
+
+
+def with_status(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` as strict JSON data with a ``status``: "diverged" when a value is not
+    finite (it becomes null), else "ok" (a status already "diverged" stays so)."""
+    clean, bad = strict_json(record)
+    diverged = bad or record.get("status") == "diverged"
+    return {**clean, "status": "diverged" if diverged else "ok"}
+
+
+def dumps(value: Any, **kwargs: Any) -> str:
+    """JSON text of ``value``; a non-finite float raises (sanitize with ``with_status``)."""
+    return json.dumps(value, allow_nan=False, **kwargs)
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Writes ``path`` as a whole or not at all: a temporary file in the same directory,
+    fsynced, then renamed over ``path``. An OSError names ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
+
+
+def accuracy_figure(curves: dict[str, History], target: float | None = None,
+                    title: str | None = None):
+    """The matplotlib figure of test accuracy against communication rounds, one line per
+    run: every point shows (the y-axis runs from below the lowest point and the target up
+    to 1), rounds are integers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(6, 4))
+    lows = [] if target is None else [target]
     for label, history in curves.items():
-        ax.plot(history.column("round"), history.column("test_accuracy"), label=label)
+        points = [(r["round"], r["test_accuracy"]) for r in history.records
+                  if isinstance(r.get("test_accuracy"), (int, float))
+                  and math.isfinite(r["test_accuracy"])]
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=label,
+                marker="." if len(points) < 30 else None)
+        lows += [p[1] for p in points]
     if target is not None:
         ax.axhline(target, color="gray", linestyle="--", linewidth=0.8, label=f"target {target}")
     ax.set_xlabel("communication rounds")
     ax.set_ylabel("test accuracy")
-    accs = [a for h in curves.values() for a in h.column("test_accuracy")]
-    if accs:
-        lo = float(np.percentile(accs, 5))
-        ax.set_ylim(max(0.0, min(lo, (target or 1.0) - 0.05)), 1.0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if lows:
+        lo = min(lows)
+        ax.set_ylim(max(0.0, lo - max(0.02, 0.05 * (1.0 - lo))), 1.0)
+    if title:
+        ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def plot_curves(curves: dict[str, History], path: Path, target: float | None = None,
+                title: str | None = None) -> None:
+    """Writes ``accuracy_figure(curves, target, title)`` as a PNG, atomically."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig = accuracy_figure(curves, target, title)
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", dpi=120)
+    finally:
+        plt.close(fig)
+    write_atomic(path, buffer.getvalue())
 
 
 class JsonlWriter:
-    """Callback: append each evaluation record to a JSON-lines file."""
+    """Callback: append each evaluation record (as ``with_status``) to a JSON-lines file.
 
-    def __init__(self, path: Path):
-        self.path = path
-        path.write_text("")
+    Nothing is written until the run has a record: ``on_resume`` (a resumed run) rewrites
+    the file with the checkpoint's records, else the first record replaces the file, after
+    ``on_start()`` (e.g. removing a replaced run's stale outputs). ``records`` are the
+    records so far, restored ones included."""
+
+    def __init__(self, path: Path, on_start: Callable[[], None] | None = None):
+        self.path = Path(path)
+        self.on_start = on_start
+        self.records: list[dict[str, Any]] = []
+        self.started = False
+
+    def start(self, first: str = "") -> None:
+        """Begin the file (once): ``on_start()``, then the file holds ``first`` only."""
+        if not self.started:
+            if self.on_start is not None:
+                self.on_start()
+            write_atomic(self.path, first)
+            self.started = True
 
     def __call__(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = dumps(with_status(record)) + "\n"
+        if not self.started:
+            self.start(line)
+        else:
+            try:
+                with self.path.open("a") as f:
+                    f.write(line)
+            except OSError as err:
+                raise OSError(err.errno, err.strerror, str(self.path)) from err
+        self.records.append(record)
 
     def on_resume(self, records: list[dict[str, Any]]) -> None:
         """Rewrite the file with the checkpoint's records (drops rounds to be recomputed)."""
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        write_atomic(self.path, "".join(dumps(with_status(r)) + "\n" for r in records))
+        self.records = list(records)
+        self.started = True
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` holds a run's outputs (metrics, summary or checkpoints)."""
+    return any((Path(path) / name).exists() for name in RUN_OUTPUTS)
+
+
+def new_run_dir(parent: Path, name: str, now: float | None = None) -> Path:
+    """Creates and returns ``parent/<name>-<YYYYmmdd-HHMMSS>``, or with a suffix ``-2``,
+    ``-3``, ... when that is taken (by another run, even one starting at the same time)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    Path(parent).mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        path = Path(parent) / (f"{name}-{stamp}" + (f"-{n}" if n > 1 else ""))
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"no free run directory name for {name}-{stamp} in {parent}")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (a torn last line is skipped)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def finished_summary(out: Path, config: Config) -> dict[str, Any] | None:
+    """The summary of the finished run of ``config`` in ``out`` (its ``summary.json`` holds
+    the same config, keys added since at their defaults aside, and its records are there),
+    else None."""
+    try:
+        summary = json.loads((Path(out) / "summary.json").read_text())
+        saved = config_to_dict(validate_config(summary["config"]))
+    except (OSError, ValueError, KeyError, TypeError):  # ConfigError is a ValueError
+        return None
+    if saved != config_to_dict(config) or not (Path(out) / "metrics.jsonl").is_file():
+        return None
+    return summary
 
 
 class FederatedData(NamedTuple):
@@ -209,7 +363,7 @@ def build_data(config: Config) -> FederatedData:
 # those checkpoints still resume.
 _LATER_KEYS = {"synthetic": SyntheticConfig().model_dump(mode="json"),
                "shakespeare": ShakespeareConfig().model_dump(mode="json"),
-               "stragglers": 0.0, "drop_stragglers": False}
+               "stragglers": 0.0, "drop_stragglers": False, "max_rejected_fraction": 0.5}
 
 
 def _fingerprint(config: Config) -> dict[str, Any]:
@@ -224,11 +378,17 @@ def run_experiment(
     progress: bool = True,
     label: str | None = None,
     resume: bool = False,
+    title: str | None = None,
 ) -> dict[str, Any]:
     """Run ``config`` and write ``metrics.jsonl``, ``summary.json`` and ``accuracy.png``.
 
     With ``resume``, continue from the newest valid checkpoint in ``out_dir/checkpoints``
-    (the config must be the same, ``checkpoint_every`` aside; else ``ConfigError``)."""
+    (the config must be the same, ``checkpoint_every`` aside; else ``CheckpointError``, and
+    nothing in ``out_dir`` has changed). A run that restores no checkpoint replaces the
+    directory's earlier outputs at its first evaluation. A run that diverges still writes
+    its summary (``"status": "diverged"``) and plot, then raises its ``FloatingPointError``.
+    ``label`` names the curve (default: the algorithm), ``title`` the plot (default:
+    ``label`` or the directory's name)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = build_data(config)
@@ -245,51 +405,94 @@ def run_experiment(
         config.execution.strategy, config.execution.local_steps, config.execution.devices,
         params=params,
     )
+
+    def replace_earlier_outputs() -> None:
+        for name in ("summary.json", "accuracy.png"):
+            (out / name).unlink(missing_ok=True)
+        if not config.checkpoint_every:  # else the runner has already replaced them
+            from fedax.simulation.checkpoint import remove_checkpoints
+
+            remove_checkpoints(out / "checkpoints")
+
+    writer = JsonlWriter(out / "metrics.jsonl", on_start=replace_earlier_outputs)
+    label = label or config.algorithm
+    title = title or label or out.name
     started = time.perf_counter()
-    history = run(
-        algorithm,
-        params,
-        train,
-        evaluate,
-        rounds=config.rounds,
-        client_fraction=config.client_fraction,
-        local_epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        seed=config.seed,
-        eval_every=config.eval_every,
-        target_accuracy=config.target_accuracy,
-        stop_at_target=config.stop_at_target,
-        execution=execution,
-        callbacks=[JsonlWriter(out / "metrics.jsonl")],
-        progress=progress,
-        checkpoint_dir=out / "checkpoints",
-        checkpoint_every=config.checkpoint_every,
-        resume=resume,
-        # The algorithm, model and data choices the runner cannot see. How often to save
-        # does not change the run, so a resumed run may save more or less often.
-        fingerprint=_fingerprint(config),
-        straggler_fraction=config.stragglers,
-        drop_stragglers=config.drop_stragglers,
-    )
-    wall = time.perf_counter() - started
+    try:
+        history = run(
+            algorithm,
+            params,
+            train,
+            evaluate,
+            rounds=config.rounds,
+            client_fraction=config.client_fraction,
+            local_epochs=config.local_epochs,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            eval_every=config.eval_every,
+            target_accuracy=config.target_accuracy,
+            stop_at_target=config.stop_at_target,
+            execution=execution,
+            callbacks=[writer],
+            progress=progress,
+            checkpoint_dir=out / "checkpoints",
+            checkpoint_every=config.checkpoint_every,
+            resume=resume,
+            # The algorithm, model and data choices the runner cannot see. How often to save
+            # does not change the run, so a resumed run may save more or less often.
+            fingerprint=_fingerprint(config),
+            straggler_fraction=config.stragglers,
+            drop_stragglers=config.drop_stragglers,
+            max_rejected_fraction=config.max_rejected_fraction,
+        )
+    except FloatingPointError as err:
+        writer.start()
+        summary = summarize(config, writer.records, time.perf_counter() - started, execution)
+        summary.update(status="diverged", diverged_at_round=getattr(err, "round", None),
+                       error=str(err))
+        write_outputs(out, summary, writer.records, label, title)
+        raise
+    summary = summarize(config, history.records, time.perf_counter() - started, execution,
+                        resumed_from=history.resumed_from)
+    write_outputs(out, summary, history.records, label, title)
+    return summary
+
+
+def summarize(config: Config, records: list[dict[str, Any]], wall: float, execution: Execution,
+              resumed_from: int | None = None) -> dict[str, Any]:
+    """The ``summary.json`` of a run with these evaluation records (possibly none)."""
+    history = History([r for r in records if isinstance(r.get("test_accuracy"), (int, float))
+                       and math.isfinite(r["test_accuracy"])])
+    accs = history.column("test_accuracy")
     target = config.target_accuracy
-    reached = history.rounds_to_target(target) if target is not None else None
-    last = history.records[-1]
-    summary = {
+    reached = history.rounds_to_target(target) if target is not None and accs else None
+    return {
         "config": config_to_dict(config),
         "seed": config.seed,
-        "rounds_run": last["round"],
-        "final_test_accuracy": last["test_accuracy"],
-        "best_test_accuracy": max(history.column("test_accuracy")),
+        "status": "diverged" if any(with_status(r)["status"] == "diverged" for r in records)
+                  else "ok",
+        "rounds_run": records[-1]["round"] if records else 0,
+        "final_test_accuracy": records[-1]["test_accuracy"] if records else None,
+        "best_test_accuracy": max(accs) if accs else None,
         "target_accuracy": target,
         "rounds_to_target": None if reached is None else round(reached, 1),
         "wall_time_s": round(wall, 2),
         "execution": execution._asdict(),
-        "resumed_from_round": history.resumed_from,
+        "resumed_from_round": resumed_from,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_curves({label or config.algorithm: history}, out / "accuracy.png", target)
-    return summary
+
+
+def write_outputs(out: Path, summary: dict[str, Any], records: list[dict[str, Any]],
+                  label: str, title: str) -> None:
+    """``summary.json`` (strict JSON, a non-finite value null and the status "diverged")
+    and ``accuracy.png``, each written atomically."""
+    clean, bad = strict_json(summary)
+    if bad:
+        clean["status"] = "diverged"
+    write_atomic(out / "summary.json", dumps(clean, indent=2) + "\n")
+    if records:
+        plot_curves({label: History(list(records))}, out / "accuracy.png",
+                    summary["target_accuracy"], title=title)
 
 
 def fmt_rounds(value: float | None) -> str:

@@ -1,11 +1,28 @@
-"""The ``fedax`` command: ``run``, ``demo``, ``reproduce`` and ``data fetch``."""
+"""The ``fedax`` command: ``run``, ``demo``, ``reproduce`` and ``data fetch``.
+
+Results are never lost: ``run`` writes into a new directory by default
+(``runs/<config>-<YYYYmmdd-HHMMSS>``) and refuses a directory that already holds a run
+unless ``--resume`` (continue it) or ``--overwrite`` (replace it) says what to do; a refused
+resume changes nothing. Every failure ends in one line on stderr,
+``fedax: error: <what happened>; <what to do>``, and a non-zero status (2 for a usage,
+config or resume error, 1 otherwise, 130 for Ctrl-C); ``--debug`` or ``FEDAX_DEBUG=1``
+prints the traceback too.
+"""
 
 from __future__ import annotations
 
+import _thread
 import argparse
-import json
+import contextlib
+import errno
 import os
+import shlex
+import signal
 import sys
+import threading
+import time
+import traceback
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -17,6 +34,14 @@ DEMO_RUNS = (
     ("FedSGD", "mnist_2nn_noniid_fedsgd", 1796),
     ("FedAvg", "mnist_2nn_noniid_fedavg", 664),
 )
+
+
+class CommandError(Exception):
+    """A failure the command explains in one line: ``fedax: <kind>: <message>``."""
+
+    def __init__(self, message: str, status: int = 1, kind: str = "error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
 
 
 def resolve_config(name_or_path: str) -> Path:
@@ -35,41 +60,241 @@ def resolve_config(name_or_path: str) -> Path:
     )
 
 
+# ------------------------------------------------------------------------------ run dirs
+
+
+def resume_command(args, out: Path) -> str:
+    """The exact ``fedax run ... --out OUT --resume`` that continues this run."""
+    parts = ["fedax", "run", args.config]
+    for item in args.set:
+        parts += ["--set", item]
+    parts += ["--out", str(out)]
+    if args.devices is not None:
+        parts += ["--devices", str(args.devices)]
+    return shlex.join([*parts, "--resume"])
+
+
+def _runs_of(parent: Path, name: str) -> list[Path]:
+    """The run directories of config ``name`` under ``parent``, newest last."""
+    from fedax.cli.experiment import is_run_dir
+
+    if not parent.is_dir():
+        return []
+    found = [p for p in parent.iterdir() if p.is_dir() and is_run_dir(p)
+             and (p.name == name or p.name.startswith(f"{name}-"))]
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+def claim_out(args, name: str) -> tuple[Path, bool]:
+    """The run's directory and whether this call created it (``--out``, else a new
+    ``runs/<name>-<time>``). Raises ``CommandError`` for a directory holding a run that
+    neither ``--resume`` nor ``--overwrite`` may take, and for ``--resume`` without
+    ``--out`` (naming the newest run of the config)."""
+    from fedax.cli.experiment import RUN_OUTPUTS, is_run_dir, new_run_dir
+    from fedax.simulation.checkpoint import list_checkpoints
+
+    if args.out is None:
+        if args.resume:
+            runs = _runs_of(Path("runs"), name)
+            if not runs:
+                raise CommandError(f"--resume needs --out DIR, the run to continue (no run of "
+                                   f"{name} in runs/); start one without --resume", 2)
+            raise CommandError(f"--resume needs --out DIR, the run to continue; the newest run"
+                               f" of {name} is {runs[-1]}: {resume_command(args, runs[-1])}", 2)
+        return new_run_dir(Path("runs"), name), True
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"--out {out} is a file; --out names a directory (created if "
+                           "missing)", 2)
+    if not is_run_dir(out):
+        return out, False
+    held = ", ".join(n for n in RUN_OUTPUTS if (out / n).exists())
+    if args.resume and not list_checkpoints(out / "checkpoints"):
+        raise CommandError(f"cannot resume: {out} holds a run ({held}) but no checkpoint in "
+                           f"{out / 'checkpoints'}; start it over with --overwrite, or choose "
+                           "another --out", 2)
+    if not (args.resume or args.overwrite):
+        raise CommandError(f"{out} already holds a run ({held}); pass --resume to continue "
+                           "it, --overwrite to replace it, or choose another --out", 2)
+    return out, False
+
+
+def _last_round(metrics: Path, since: float) -> int | None:
+    """The round of the last record in ``metrics`` written at or after ``since``."""
+    from fedax.cli.experiment import read_records
+
+    try:
+        if metrics.stat().st_mtime < since:
+            return None
+        records = read_records(metrics)
+    except OSError:
+        return None
+    return records[-1].get("round") if records else None
+
+
+def _checkpoint_round(err: BaseException, directory: Path) -> int | None:
+    """The newest checkpoint's round: as the runner reports it, else from the file names."""
+    if hasattr(err, "checkpoint_round"):
+        return err.checkpoint_round
+    from fedax.simulation.checkpoint import list_checkpoints
+
+    found = list_checkpoints(directory)
+    return found[0][0] if found else None
+
+
+def where_stopped(err: BaseException, out: Path, since: float,
+                  checkpoints: bool) -> tuple[str, int | None]:
+    """``(text, checkpoint round or None)`` for a run in ``out`` stopped by ``err``;
+    ``checkpoints``: whether files in ``out/checkpoints`` may belong to this run."""
+    ckpt = _checkpoint_round(err, out / "checkpoints") if checkpoints else None
+    rounds = [r for r in (getattr(err, "rounds_done", getattr(err, "round", None)),
+                          _last_round(out / "metrics.jsonl", since), ckpt) if r]
+    text = f"stopped after round {max(rounds)}" if rounds else "stopped before its first evaluation"
+    return f"{text} in {out}", ckpt
+
+
+def finish_pending_work() -> None:
+    """After Ctrl-C: wait for the round in flight (its clients may be running in worker
+    processes), then stop the ``processes`` workers, so nothing runs or prints after the
+    command's last line."""
+    jax = sys.modules.get("jax")
+    try:
+        for array in jax.live_arrays() if jax is not None else ():
+            with contextlib.suppress(Exception):
+                array.block_until_ready()
+        processes = sys.modules.get("fedax.simulation.processes")
+        if processes is not None:
+            processes.close_pools()
+    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting
+        pass
+
+
+def os_error_message(err: OSError, out: Path | None = None) -> str:
+    """One line naming the path and the fix for a file system error."""
+    path = err.filename or out
+    reason = (err.strerror or str(err)).lower()
+    in_out = out is not None and path is not None and _inside(Path(path), out)
+    if err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        fix = "free some space" + (" or choose another --out" if in_out else "")
+    elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "choose a writable --out" if in_out else f"check the permissions of {path}"
+    elif err.errno in (errno.ENOENT, errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+        fix = ("--out must name a directory (created if missing)" if in_out
+               else f"check that {path} exists")
+    else:
+        fix = "run with --debug for the traceback"
+    return f"{reason}: {path}; {fix}" if path else f"{reason}; {fix}"
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    path, directory = Path(os.path.abspath(path)), Path(os.path.abspath(directory))
+    return path == directory or directory in path.parents
+
+
+# ------------------------------------------------------------------------------ commands
+
+
 def cmd_run(args) -> int:
-    from fedax.cli.experiment import run_experiment
+    from fedax.cli.experiment import dumps, run_experiment, strict_json
     from fedax.simulation.checkpoint import CheckpointError
 
     config = load_config(resolve_config(args.config), args.set)
-    out = Path(args.out or f"runs/{Path(args.config).stem}")
+    name = Path(args.config).stem
+    out, created = claim_out(args, name)
+    since = time.time()
     try:
         summary = run_experiment(config, out, progress=not args.no_progress,
-                                 resume=args.resume)
-    except CheckpointError as err:
-        raise ConfigError(f"cannot resume from {out / 'checkpoints'}: {err}") from None
-    print(json.dumps({k: summary[k] for k in (
+                                 resume=args.resume, title=name)
+    except BaseException as err:
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if the run left nothing there
+        if isinstance(err, CheckpointError):
+            raise CommandError(
+                f"cannot resume from {out / 'checkpoints'}: {err}; nothing in {out} was "
+                "changed: resume with the config and --set values the run started with, or "
+                "start over with --overwrite (or another --out)", 2) from err
+        if isinstance(err, KeyboardInterrupt):
+            finish_pending_work()
+            raise CommandError(_interrupted_run(args, config, out, err, since), 130,
+                               "interrupted") from err
+        if isinstance(err, FloatingPointError):
+            raise CommandError(f"{_one_line(err)} (records up to it: {out}/metrics.jsonl)"
+                               ) from err
+        if isinstance(err, OSError):
+            raise CommandError(os_error_message(err, out)) from err
+        raise
+    print(dumps(strict_json({k: summary[k] for k in (
         "rounds_run", "final_test_accuracy", "best_test_accuracy", "rounds_to_target",
-        "wall_time_s")}, indent=2))
+        "wall_time_s")})[0], indent=2))
     print(f"outputs in {out}/ (metrics.jsonl, summary.json, accuracy.png)")
     return 0
 
 
+def _interrupted_run(args, config, out: Path, err: BaseException, since: float) -> str:
+    every = config.checkpoint_every
+    where, ckpt = where_stopped(err, out, since, checkpoints=bool(every or args.resume))
+    if ckpt:
+        return (f"{where}, newest checkpoint at round {ckpt}; continue with: "
+                f"{resume_command(args, out)}")
+    if every:
+        return (f"{where}; no checkpoint yet (one every {every} rounds), so nothing to "
+                f"resume: start again with --out {out} --overwrite")
+    return (f"{where}; no checkpoint to resume from (the config saves none): start again "
+            f"with --out {out} --overwrite, adding --set checkpoint_every=N to save one "
+            "every N rounds")
+
+
+def _demo_plan(run_dir: Path, config, overwrite: bool) -> str:
+    """What ``fedax demo`` does with a run's directory: ``reuse`` (finished, same config),
+    ``resume`` (unfinished, with checkpoints), or ``run``; else ``CommandError``."""
+    from fedax.cli.experiment import finished_summary, is_run_dir
+    from fedax.simulation.checkpoint import list_checkpoints
+
+    if overwrite or not is_run_dir(run_dir):
+        return "run"
+    if finished_summary(run_dir, config) is not None:
+        return "reuse"
+    if not (run_dir / "summary.json").exists() and list_checkpoints(run_dir / "checkpoints"):
+        return "resume"
+    what = ("a run of another config" if (run_dir / "summary.json").exists()
+            else "an unfinished run without a checkpoint")
+    raise CommandError(f"{run_dir} holds {what}; delete it to run it again (finished runs "
+                       "are reused), pass --overwrite to rerun all, or choose another --out", 2)
+
+
 def cmd_demo(args) -> int:
     """FedAvg against FedSGD on pathological non-IID MNIST with the 2NN (Table 1 setting)."""
-    from fedax.cli.experiment import fmt_rounds, plot_curves, run_experiment
+    from fedax.cli.experiment import (
+        finished_summary,
+        fmt_rounds,
+        plot_curves,
+        read_records,
+        write_atomic,
+    )
     from fedax.simulation import History
 
     out = Path(args.out)
+    configs = [load_config(resolve_config(name), args.set) for _, name, _ in DEMO_RUNS]
+    plans = [_demo_plan(out / name, config, args.overwrite)
+             for (_, name, _), config in zip(DEMO_RUNS, configs, strict=True)]
     rows, curves = [], {}
-    for label, name, paper in DEMO_RUNS:
-        config = load_config(resolve_config(name), args.set)
-        print(f"== {label}: {name} (E={config.local_epochs}, B={config.batch_size}, "
-              f"client_lr={config.client_lr}, up to {config.rounds} rounds)")
-        summary = run_experiment(config, out / name, progress=not args.no_progress, label=label)
-        records = [json.loads(line) for line in (out / name / "metrics.jsonl").open()]
-        curves[label] = History(records)
+    for (label, name, paper), config, plan in zip(DEMO_RUNS, configs, plans, strict=True):
+        run_dir = out / name
+        if plan == "reuse":
+            print(f"== {label}: reusing the finished run in {run_dir} (same config; "
+                  "--overwrite runs it again)")
+            summary = finished_summary(run_dir, config)
+        else:
+            print(f"== {label}: {name} (E={config.local_epochs}, B={config.batch_size}, "
+                  f"client_lr={config.client_lr}, up to {config.rounds} rounds)"
+                  + (f", resuming from {run_dir / 'checkpoints'}" if plan == "resume" else ""))
+            summary = _demo_run(args, config, run_dir, label, name, plan)
+        curves[label] = History(read_records(run_dir / "metrics.jsonl"))
         rows.append((label, config, summary, paper))
     target = rows[0][1].target_accuracy
-    plot_curves(curves, out / "accuracy.png", target)
+    plot_curves(curves, out / "accuracy.png", target,
+                title="2NN, pathological non-IID MNIST, C = 0.1")
     base = rows[0][2]["rounds_to_target"]
     lines = [
         f"Rounds to {target:.0%} test accuracy, 2NN, pathological non-IID MNIST, C = 0.1",
@@ -87,11 +312,31 @@ def cmd_demo(args) -> int:
             f"{summary['wall_time_s']:.0f} |"
         )
     table = "\n".join(lines)
-    (out / "table.md").write_text(table + "\n")
+    write_atomic(out / "table.md", table + "\n")
     print()
     print(table)
     print(f"\nplot: {out / 'accuracy.png'}")
     return 0
+
+
+def _demo_run(args, config, run_dir: Path, label: str, name: str, plan: str) -> dict:
+    from fedax.cli.experiment import run_experiment
+
+    since = time.time()
+    try:
+        return run_experiment(config, run_dir, progress=not args.no_progress, label=label,
+                              resume=plan == "resume", title=f"{label}: {name}")
+    except KeyboardInterrupt as err:
+        finish_pending_work()
+        where, ckpt = where_stopped(err, run_dir, since, checkpoints=True)
+        command = shlex.join(["fedax", "demo", "--out", args.out,
+                              *[x for item in args.set for x in ("--set", item)]])
+        then = (f"this one resumes from round {ckpt}" if ckpt
+                else f"delete {run_dir} first, it has no checkpoint")
+        raise CommandError(f"{label} run {where}; continue with: {command} (finished runs are "
+                           f"reused; {then})", 130, "interrupted") from err
+    except OSError as err:
+        raise CommandError(os_error_message(err, run_dir)) from err
 
 
 def cmd_reproduce(args) -> int:
@@ -112,59 +357,104 @@ def cmd_reproduce(args) -> int:
     out = Path(args.out or f"runs/reproduce/{args.name}" + ("-quick" if args.quick else ""))
     command = f"fedax reproduce {args.name}" + (" --quick" if args.quick else "")
     if args.out:
-        command += f" --out {args.out}"
-    results = reproduce(args.name, out, quick=args.quick, progress=not args.no_progress,
-                        command=command)
+        command += f" --out {shlex.quote(args.out)}"
+    try:
+        results = reproduce(args.name, out, quick=args.quick, progress=not args.no_progress,
+                            command=command)
+    except KeyboardInterrupt as err:
+        finish_pending_work()
+        raise CommandError(f"stopped; continue with: {command} (finished runs in {out} are "
+                           "reused)", 130, "interrupted") from err
+    except OSError as err:
+        raise CommandError(os_error_message(err, out)) from err
     print(f"\nreport: {out / 'report.md'} ({results['wall_time_s'] / 60:.1f} min of runs)")
     return 0
 
 
 def cmd_data_fetch(args) -> int:
-    from fedax.data import fetch_mnist
+    from fedax.data import fetch_dataset
 
-    if args.name != "mnist":
-        raise ConfigError(f"unknown data set {args.name!r} (available: mnist)")
-    print(f"mnist ready in {fetch_mnist()}")
+    print(f"{args.name} ready in {fetch_dataset(args.name)}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedax", description="Federated learning in JAX.")
-    sub = parser.add_subparsers(dest="command", required=True)
+# ------------------------------------------------------------------------------ parser
 
-    run = sub.add_parser("run", help="run one experiment from a YAML config")
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line."""
+
+    def error(self, message: str):
+        self.exit(2, f"fedax: error: {message}; see '{self.prog} --help'\n")
+
+
+def _version() -> str:
+    try:
+        from fedax import __version__
+
+        return __version__
+    except ImportError:
+        from importlib.metadata import version
+
+        return version("fedax")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fedax", description="Federated learning in JAX.")
+    parser.add_argument("--version", action="version", version=f"fedax {_version()}")
+    parser.add_argument("--debug", action="store_true",
+                        help="on failure, print the traceback too (or set FEDAX_DEBUG=1)")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on failure, print the traceback too (or set FEDAX_DEBUG=1)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    devices_help = ("shard each cohort over N devices (CPU: the host split into N XLA "
+                    "devices; default one per core. GPU: the first N). Results equal one "
+                    "device's")
+    set_help = ("override a config key (dotted keys for nested sections); repeatable, and "
+                "the last --set of a key wins")
+
+    run = sub.add_parser("run", help="run one experiment from a YAML config", parents=[common])
     run.add_argument("config", help="a YAML file, or the name of a bundled config")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a config key (dotted keys for nested sections)")
-    run.add_argument("--out", help="output directory (default runs/<config name>)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+    run.add_argument(
+        "--out", help="output directory (default: a new runs/<config name>-<YYYYmmdd-HHMMSS>)."
+                      " A directory that holds a run is refused without --resume or "
+                      "--overwrite")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run.add_argument(
+    again = run.add_mutually_exclusive_group()
+    again.add_argument(
         "--resume", action="store_true",
-        help="continue the run in --out from its newest valid checkpoint (OUT/checkpoints/, "
-             "written every checkpoint_every rounds; set e.g. --set checkpoint_every=50 "
-             "when starting the run). Same config and --set values required; the result "
-             "(metrics.jsonl, final model) is identical to an uninterrupted run's, elapsed_s "
-             "aside. Without a checkpoint, the run starts from round 0",
+        help="continue the run in --out (required) from its newest valid checkpoint "
+             "(OUT/checkpoints/, written every checkpoint_every rounds; set e.g. --set "
+             "checkpoint_every=50 when starting the run). Same config and --set values "
+             "required, else nothing is changed; the result (metrics.jsonl, final model) is "
+             "identical to an uninterrupted run's, elapsed_s aside. An empty or new --out "
+             "starts from round 0",
     )
-    run.add_argument(
-        "--devices", type=_positive_int, metavar="N",
-        help="shard each cohort over N devices (CPU: the host split into N XLA devices; "
-             "default one per core. GPU: the first N). Results equal one device's")
+    again.add_argument("--overwrite", action="store_true",
+                       help="replace the run in --out (its outputs go at the new run's first "
+                            "evaluation)")
+    run.add_argument("--devices", type=_positive_int, metavar="N", help=devices_help)
     run.set_defaults(func=cmd_run)
 
-    demo = sub.add_parser("demo", help="FedAvg vs FedSGD, 2NN, non-IID MNIST (Table 1)")
-    demo.add_argument("--out", default="runs/demo")
+    demo = sub.add_parser("demo", help="FedAvg vs FedSGD, 2NN, non-IID MNIST (Table 1)",
+                          parents=[common])
+    demo.add_argument("--out", default="runs/demo",
+                      help="output directory (default runs/demo); a finished run of the same "
+                           "config there is reused, an interrupted one with a checkpoint "
+                           "resumed")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a key in both configs")
+                      help="override a key in both configs; " + set_help.split("; ")[1])
+    demo.add_argument("--overwrite", action="store_true",
+                      help="rerun both runs, replacing what --out holds")
     demo.add_argument("--no-progress", action="store_true")
-    demo.add_argument(
-        "--devices", type=_positive_int, metavar="N",
-        help="shard each cohort over N devices (CPU: the host split into N XLA devices; "
-             "default one per core. GPU: the first N). Results equal one device's")
+    demo.add_argument("--devices", type=_positive_int, metavar="N", help=devices_help)
     demo.set_defaults(func=cmd_demo)
 
     rep = sub.add_parser(
-        "reproduce", help="run a paper experiment and write a report (--list names them)")
+        "reproduce", help="run a paper experiment and write a report (--list names them)",
+        parents=[common])
     rep.add_argument("name", nargs="?", help="the experiment (see --list)")
     rep.add_argument("--list", action="store_true", help="list the experiments")
     rep.add_argument("--quick", action="store_true",
@@ -172,16 +462,16 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", help="report directory (default runs/reproduce/NAME[-quick]); "
                                    "rerunning into it reuses and resumes finished runs")
     rep.add_argument("--no-progress", action="store_true", help="no progress bars")
-    rep.add_argument(
-        "--devices", type=_positive_int, metavar="N",
-        help="shard each cohort over N devices (CPU: the host split into N XLA devices; "
-             "default one per core. GPU: the first N). Results equal one device's")
+    rep.add_argument("--devices", type=_positive_int, metavar="N", help=devices_help)
     rep.set_defaults(func=cmd_reproduce)
 
-    data = sub.add_parser("data", help="data set commands")
+    data = sub.add_parser("data", help="data set commands", parents=[common])
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    fetch = data_sub.add_parser("fetch", help="download and verify a data set into the cache")
-    fetch.add_argument("name", choices=["mnist"])
+    fetch = data_sub.add_parser("fetch", help="download and verify a data set into the cache",
+                                parents=[common])
+    from fedax.data.fetch import DATASET_NAMES
+
+    fetch.add_argument("name", choices=DATASET_NAMES)
     fetch.set_defaults(func=cmd_data_fetch)
     return parser
 
@@ -210,14 +500,114 @@ def _positive_int(text: str) -> int:
     return value
 
 
+# ------------------------------------------------------------------------------ failures
+
+
+def _one_line(err: BaseException | str, limit: int = 300) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_instance(err: BaseException, module: str, name: str) -> bool:
+    cls = getattr(sys.modules.get(module), name, None)
+    return isinstance(cls, type) and isinstance(err, cls)
+
+
+def failure_message(err: BaseException) -> tuple[str, int]:
+    """What the command prints for ``err`` (one line; a missing data set's message also
+    lists the sources tried), and its exit status."""
+    if isinstance(err, CommandError):
+        return f"fedax: {err.kind}: {err}", err.status
+    if isinstance(err, ConfigError):
+        return f"fedax: error: {_one_line(err, 1000)}", 2
+    if isinstance(err, KeyboardInterrupt):
+        return "fedax: interrupted: stopped before any run started", 130
+    if _is_instance(err, "fedax.data._cache", "DataUnavailableError"):
+        first, *rest = str(err).splitlines() or [""]
+        return "\n".join([f"fedax: error: {first}", *rest]), 1
+    if isinstance(err, FloatingPointError):
+        return f"fedax: error: {_one_line(err)}", 1
+    if isinstance(err, OSError):
+        return f"fedax: error: {os_error_message(err)}", 1
+    text = _one_line(err)
+    return (f"fedax: error: {type(err).__name__}{': ' + text if text else ''}; run with "
+            "--debug for the traceback"), 1
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"fedax: warning: {_one_line(message, 1000)}", file=sys.stderr)
+
+
+# Code that runs inside a JAX host callback: the ``processes`` strategy's client map.
+_CALLBACK_FILES = (os.path.join("jax", "_src", "callback.py"),
+                   os.path.join("fedax", "simulation", "processes.py"))
+
+
+def _in_host_callback(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_CALLBACK_FILES):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _Interrupts:
+    """The command's SIGINT handler: KeyboardInterrupt, but not inside a JAX host callback,
+    which XLA may run on the main thread and would fail with an error of its own (and a
+    logged traceback). There the interrupt is delivered again shortly, until the main
+    thread is back in the run's code; a second Ctrl-C meanwhile interrupts at once."""
+
+    def __init__(self):
+        self.retry: threading.Timer | None = None
+        self.presses = 0
+
+    def __call__(self, signum, frame) -> None:
+        if self.retry is not None and not self.retry.is_alive():
+            self.retry = None  # our own re-delivery
+        else:
+            self.presses += 1
+        if self.presses < 2 and _in_host_callback(frame):
+            if self.retry is None:
+                self.retry = threading.Timer(0.05, _thread.interrupt_main)
+                self.retry.daemon = True
+                self.retry.start()
+            return
+        self.presses = 0
+        raise KeyboardInterrupt
+
+    def cancel(self) -> None:
+        if self.retry is not None:
+            self.retry.cancel()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("FEDAX_DEBUG", "") not in ("", "0")
     split_host_into_devices(getattr(args, "devices", None))
-    try:
-        return args.func(args)
-    except ConfigError as err:
-        print(f"fedax: error: {err}", file=sys.stderr)
-        return 2
+    interrupts = _Interrupts()
+    # Only where Ctrl-C raises KeyboardInterrupt now (not if ignored, nor off the main thread).
+    handle = (threading.current_thread() is threading.main_thread()
+              and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    if handle:
+        signal.signal(signal.SIGINT, interrupts)
+    with warnings.catch_warnings():
+        if not debug:
+            warnings.showwarning = _show_warning
+        try:
+            return args.func(args)
+        except (Exception, KeyboardInterrupt) as err:
+            if debug:
+                traceback.print_exc()
+            if isinstance(err, KeyboardInterrupt):
+                finish_pending_work()
+            message, status = failure_message(err)
+            print(message, file=sys.stderr)
+            return status
+        finally:
+            interrupts.cancel()
+            if handle:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 if __name__ == "__main__":

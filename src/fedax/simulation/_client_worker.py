@@ -13,12 +13,17 @@ request is a length-prefixed JSON header and a length-prefixed payload:
 The core is pinned and XLA is told it has one thread before JAX starts, so two workers on
 two cores do not compete for each other's threads (the reason for processes: two XLA
 devices in one process share one intra-op thread pool).
+
+A worker ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and it is
+the parent that stops the run and then the workers (``exit``). A worker whose parent is
+gone (a closed pipe) exits quietly.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
 import sys
 import time
@@ -97,10 +102,7 @@ def main(core: int, rfd: int, wfd: int) -> None:
 
     write_message(wfd, {"ok": True, "pid": os.getpid(), "devices": jax.device_count()})
     while True:
-        try:
-            header, payload = read_message(rfd)
-        except EOFError:
-            return
+        header, payload = read_message(rfd)  # EOFError: the parent is gone
         op = header.get("op")
         try:
             if op == "exit":
@@ -129,9 +131,15 @@ def main(core: int, rfd: int, wfd: int) -> None:
                 write_message(wfd, {"ok": True, "seconds": time.perf_counter() - start})
             else:
                 raise ValueError(f"unknown request {op!r}")
+        except BrokenPipeError:
+            raise
         except Exception:  # report to the parent, which raises it
             write_message(wfd, {"ok": False, "error": traceback.format_exc()})
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    try:
+        main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    except (EOFError, BrokenPipeError):  # the parent is gone: nothing to report to
+        pass

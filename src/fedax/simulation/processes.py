@@ -187,9 +187,17 @@ class ClientProcesses:
         return self._workers
 
     def close(self) -> None:
-        for worker in self._workers:
-            worker.close()
-        self._workers = []
+        """Stops the workers, after the round they are running (if any) has finished."""
+        # The round's callback runs on an XLA thread and holds the lock while it uses the
+        # workers (e.g. while the main thread handles Ctrl-C); a hung one is not waited for.
+        locked = self._lock.acquire(timeout=60)
+        try:
+            for worker in self._workers:
+                worker.close()
+            self._workers = []
+        finally:
+            if locked:
+                self._lock.release()
 
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
@@ -358,6 +366,9 @@ def client_processes(workers: int | None = None,
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
+    """Stops every shared pool's workers (they start again on next use). Runs at exit;
+    the ``fedax`` command also calls it on Ctrl-C, when the workers (which ignore SIGINT,
+    see ``_client_worker``) are still waiting for work."""
     for pool in _POOLS.values():
         pool.close()
