@@ -39,7 +39,7 @@ def main(argv=None) -> int:
 
     from fedax import federated as fed
     from fedax.models import get_model
-    from fedax.simulation.execution import compiler_options
+    from fedax.simulation.host import compiler_options
 
     def reduce_mean(x, w):
         total = jnp.sum(w)

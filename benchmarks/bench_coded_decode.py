@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from fedax import federated as fed
     from fedax.client import BYTE_SCALE_TABLE, Batches, ByteCoded, local_train
     from fedax.models import get_model, softmax_cross_entropy
-    from fedax.simulation.execution import compiler_options
+    from fedax.simulation.host import compiler_options
 
     model = get_model("cnn")
     params = model.init(jax.random.key(0))

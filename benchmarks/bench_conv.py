@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from fedax.client import Batches, local_train
     from fedax.models import softmax_cross_entropy
     from fedax.models.mnist import cnn
-    from fedax.simulation.execution import compiler_options
+    from fedax.simulation.host import compiler_options
 
     impls = args.impls.split(",")
     keys = jax.random.split(jax.random.key(0), 3)

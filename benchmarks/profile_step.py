@@ -115,7 +115,7 @@ def main(argv=None) -> int:
 
     from fedax.client import Batches, local_train
     from fedax.models import get_model, softmax_cross_entropy
-    from fedax.simulation.execution import compiler_options
+    from fedax.simulation.host import compiler_options
 
     peak = args.peak or common.measure_matmul_peak(threads=1)["flops"] / 1e9
     model = get_model(args.model)

@@ -12,8 +12,8 @@ import pytest
 
 from fedax import data as fdata
 from fedax.algorithms import scaffold
-from fedax.cli.config import ConfigError, validate_config
 from fedax.cli.main import main
+from fedax.experiments.config import ConfigError, validate_config
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.simulation import (
     CheckpointError,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import fedax
-from fedax.cli import experiment
+from fedax.experiments import run as experiment
 from fedax.cli.main import main
 
 TINY = """\

@@ -11,7 +11,7 @@ from fedax.data import ClientData, make_cohort, num_local_steps, sample_clients,
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.simulation import Execution, cohort_batches, run, use_execution
 from fedax.simulation.device_data import byte_codes
-from fedax.simulation.execution import compiler_options
+from fedax.simulation.host import compiler_options
 
 SEED, FRACTION, EPOCHS, BATCH = 3, 0.25, 2, 8
 

@@ -1,4 +1,4 @@
-"""Tests for fedax.cli.config: schema, one-line errors, --set overrides, example configs."""
+"""Tests for fedax.experiments.config: schema, one-line errors, --set overrides, example configs."""
 
 import json
 import math
@@ -8,7 +8,7 @@ from typing import get_args
 import pytest
 import yaml
 
-from fedax.cli.config import (
+from fedax.experiments.config import (
     Config,
     ConfigError,
     check_against_data,
@@ -271,7 +271,7 @@ def test_new_keys_are_validated(write):
 
 
 def test_shakespeare_goes_with_the_char_lstm_and_its_own_partitions():
-    from fedax.cli.config import ConfigError, validate_config
+    from fedax.experiments.config import ConfigError, validate_config
 
     base = {"rounds": 1, "dataset": "shakespeare", "model": "char_lstm",
             "algorithm": "fedavg", "client_fraction": 0.1, "local_epochs": 1,

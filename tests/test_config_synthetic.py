@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from fedax import data as fdata
-from fedax.cli.config import ConfigError, config_to_dict, validate_config
-from fedax.cli.experiment import _fingerprint, _linear_kwargs, build_data
 from fedax.cli.main import main
+from fedax.experiments.config import ConfigError, config_to_dict, validate_config
+from fedax.experiments.run import _fingerprint, _linear_kwargs, build_data
 from fedax.reproduce.framework import _same_config
 
 SYNTHETIC = {

@@ -18,7 +18,7 @@ from fedax import federated as fed
 from fedax.algorithms import fedavg, scaffold
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.simulation import Execution, choose_execution, make_evaluator, run
-from fedax.simulation.execution import usable_cores
+from fedax.simulation.host import usable_cores
 from fedax.simulation.processes import ClientProcesses, client_processes
 
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from fedax.cli.experiment import accuracy_figure, dumps, with_status, write_atomic
 from fedax.cli.main import main
+from fedax.experiments.run import accuracy_figure, dumps, with_status, write_atomic
 from fedax.simulation import History
 
 TINY = """\

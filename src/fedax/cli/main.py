@@ -26,7 +26,7 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
-from fedax.cli.config import ConfigError, load_config
+from fedax.experiments.config import ConfigError, load_config
 
 # The paper's rounds to 97% for the 2NN on pathological non-IID MNIST with C = 0.1, E = 1
 # (McMahan et al. 2017, Table 1): B = ∞ (FedSGD) 1796 rounds, B = 10 (FedAvg) 664 rounds.
@@ -76,7 +76,7 @@ def resume_command(args, out: Path) -> str:
 
 def _runs_of(parent: Path, name: str) -> list[Path]:
     """The run directories of config ``name`` under ``parent``, newest last."""
-    from fedax.cli.experiment import is_run_dir
+    from fedax.experiments.run import is_run_dir
 
     if not parent.is_dir():
         return []
@@ -90,7 +90,7 @@ def claim_out(args, name: str) -> tuple[Path, bool]:
     ``runs/<name>-<time>``). Raises ``CommandError`` for a directory holding a run that
     neither ``--resume`` nor ``--overwrite`` may take, and for ``--resume`` without
     ``--out`` (naming the newest run of the config)."""
-    from fedax.cli.experiment import RUN_OUTPUTS, is_run_dir, new_run_dir
+    from fedax.experiments.run import RUN_OUTPUTS, is_run_dir, new_run_dir
     from fedax.simulation.checkpoint import list_checkpoints
 
     if args.out is None:
@@ -121,7 +121,7 @@ def claim_out(args, name: str) -> tuple[Path, bool]:
 
 def _last_round(metrics: Path, since: float) -> int | None:
     """The round of the last record in ``metrics`` written at or after ``since``."""
-    from fedax.cli.experiment import read_records
+    from fedax.experiments.run import read_records
 
     try:
         if metrics.stat().st_mtime < since:
@@ -195,7 +195,7 @@ def _inside(path: Path, directory: Path) -> bool:
 
 
 def cmd_run(args) -> int:
-    from fedax.cli.experiment import dumps, run_experiment, strict_json
+    from fedax.experiments.run import dumps, run_experiment, strict_json
     from fedax.simulation.checkpoint import CheckpointError
 
     config = load_config(resolve_config(args.config), args.set)
@@ -248,7 +248,7 @@ def _interrupted_run(args, config, out: Path, err: BaseException, since: float) 
 def _demo_plan(run_dir: Path, config, overwrite: bool) -> str:
     """What ``fedax demo`` does with a run's directory: ``reuse`` (finished, same config),
     ``resume`` (unfinished, with checkpoints), or ``run``; else ``CommandError``."""
-    from fedax.cli.experiment import finished_summary, is_run_dir
+    from fedax.experiments.run import finished_summary, is_run_dir
     from fedax.simulation.checkpoint import list_checkpoints
 
     if overwrite or not is_run_dir(run_dir):
@@ -265,7 +265,7 @@ def _demo_plan(run_dir: Path, config, overwrite: bool) -> str:
 
 def cmd_demo(args) -> int:
     """FedAvg against FedSGD on pathological non-IID MNIST with the 2NN (Table 1 setting)."""
-    from fedax.cli.experiment import (
+    from fedax.experiments.run import (
         finished_summary,
         fmt_rounds,
         plot_curves,
@@ -320,7 +320,7 @@ def cmd_demo(args) -> int:
 
 
 def _demo_run(args, config, run_dir: Path, label: str, name: str, plan: str) -> dict:
-    from fedax.cli.experiment import run_experiment
+    from fedax.experiments.run import run_experiment
 
     since = time.time()
     try:

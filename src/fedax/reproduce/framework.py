@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedax.cli.config import Config, ConfigError, config_to_dict, validate_config
+from fedax.experiments.config import Config, ConfigError, config_to_dict, validate_config
 from fedax.simulation.checkpoint import CheckpointError
 
 
@@ -93,7 +93,7 @@ class Experiment:
     columns: Sequence[str] = ("local_epochs", "batch_size")
     # Extra markdown appended to the report, computed from the results (optional).
     extra_report: Callable[[dict[str, Any], Path], str] | None = None
-    # Runs a cell's config and returns its summary (default: fedax.cli.experiment).
+    # Runs a cell's config and returns its summary (default: fedax.experiments.run).
     runner: Callable[..., dict[str, Any]] | None = None
 
     def cells(self, quick: bool) -> Sequence[Cell]:
@@ -156,7 +156,7 @@ def _score(experiment: Experiment, summary: Mapping[str, Any]) -> tuple[float, f
 
 def _default_runner(config: Config, out: Path, *, progress: bool, resume: bool,
                     label: str) -> dict[str, Any]:
-    from fedax.cli.experiment import run_experiment
+    from fedax.experiments.run import run_experiment
 
     return run_experiment(config, out, progress=progress, resume=resume, label=label)
 

@@ -87,7 +87,7 @@ def main(core: int, rfd: int, wfd: int) -> None:
     import jax
     import numpy as np
 
-    from fedax.simulation.execution import compiler_options
+    from fedax.simulation.host import compiler_options
 
     programs: dict[str, object] = {}
     segments: dict[str, shared_memory.SharedMemory] = {}

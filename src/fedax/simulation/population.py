@@ -48,12 +48,8 @@ from fedax.algorithms import CohortBatches, FederatedAlgorithm
 from fedax.client import Batches
 from fedax.data import ClientData, make_cohort, num_local_steps
 from fedax.data.synthetic import COV_EXPONENT, SIZE_LOG_MEAN, SIZE_LOG_SIGMA, SIZE_OFFSET
-from fedax.simulation.execution import (
-    Execution,
-    choose_execution,
-    compiler_options,
-    use_execution,
-)
+from fedax.simulation.execution import Execution, choose_execution, use_execution
+from fedax.simulation.host import compiler_options
 from fedax.simulation.runner import Callback, History, _maybe_mesh, _pad_cohort
 
 Split = Literal["train", "test", "all"]

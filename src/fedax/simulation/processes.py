@@ -46,7 +46,7 @@ import numpy as np
 
 from fedax.federated._primitives import broadcast_p
 from fedax.simulation._client_worker import read_message, write_message
-from fedax.simulation.execution import usable_cores
+from fedax.simulation.host import usable_cores
 
 _ALIGN = 64
 

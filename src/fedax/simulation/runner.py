@@ -35,12 +35,8 @@ from fedax.client import Batches
 from fedax.data import ClientData, Cohort, make_cohort, num_local_steps, sample_clients
 from fedax.simulation import checkpoint as ckpt
 from fedax.simulation.device_data import cohort_features, put_features, take
-from fedax.simulation.execution import (
-    Execution,
-    choose_execution,
-    compiler_options,
-    use_execution,
-)
+from fedax.simulation.execution import Execution, choose_execution, use_execution
+from fedax.simulation.host import compiler_options
 
 
 def rounds_to_target(

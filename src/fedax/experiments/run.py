@@ -30,7 +30,8 @@ import optax
 from fedax import data as fdata
 from fedax.algorithms import FederatedAlgorithm
 from fedax.algorithms import make as make_algorithm
-from fedax.cli.config import (
+from fedax.client import Batches
+from fedax.experiments.config import (
     Config,
     ShakespeareConfig,
     SyntheticConfig,
@@ -38,7 +39,6 @@ from fedax.cli.config import (
     config_to_dict,
     validate_config,
 )
-from fedax.client import Batches
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.simulation import Execution, History, choose_execution, make_evaluator, run
 
