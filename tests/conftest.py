@@ -27,6 +27,31 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+TINY_CONFIG = """\
+rounds: 2
+dataset: synthetic
+num_clients: 12
+model: logistic
+algorithm: fedavg
+client_fraction: 0.5
+local_epochs: 1
+batch_size: 10
+client_lr: 0.05
+execution:
+  devices: 1
+"""
+"""A run that takes seconds: Synthetic(α, β) with 12 clients and a logistic model."""
+
+
+def run_fedax(*args, cwd, timeout=180):
+    """``fedax ARGS`` in a fresh process, as a user runs it (see ``_child_env``)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "fedax.cli.main", *args], cwd=cwd,
+                          env=_child_env(), capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.fixture
 def child_env():
     """See ``_child_env``."""

@@ -12,35 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import TINY_CONFIG, _child_env, run_fedax
 
 import fedax
-from fedax.experiments import run as experiment
 from fedax.cli.main import main
-
-TINY = """\
-rounds: 2
-dataset: synthetic
-num_clients: 12
-model: logistic
-algorithm: fedavg
-client_fraction: 0.5
-local_epochs: 1
-batch_size: 10
-client_lr: 0.05
-execution:
-  devices: 1
-"""
-
-
-def _env():
-    return {k: v for k, v in os.environ.items()
-            if k not in ("XLA_FLAGS", "FEDAX_DEVICES", "FEDAX_DEBUG")}
-
-
-def fedax_cli(*args, cwd, timeout=180):
-    """``fedax ARGS`` in a fresh process (one XLA device), as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "fedax.cli.main", *args], cwd=cwd,
-                          env=_env(), capture_output=True, text=True, timeout=timeout)
+from fedax.experiments import run as experiment
 
 
 def one_error_line(stderr: str) -> str:
@@ -56,12 +32,12 @@ def tiny(tmp_path, monkeypatch):
     """A tiny config in an empty working directory."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("FEDAX_DEBUG", raising=False)
-    (tmp_path / "tiny.yaml").write_text(TINY)
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG)
     return tmp_path / "tiny.yaml"
 
 
 def test_version(tmp_path):
-    done = fedax_cli("--version", cwd=tmp_path, timeout=60)
+    done = run_fedax("--version", cwd=tmp_path, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == f"fedax {fedax.__version__}"
 
 
@@ -75,7 +51,7 @@ def test_usage_errors_are_one_line(capsys):
 
 
 def test_a_duplicate_yaml_key_is_one_line_naming_it(tiny, capsys):
-    tiny.write_text(TINY + "client_lr: 0.5\n")
+    tiny.write_text(TINY_CONFIG + "client_lr: 0.5\n")
     assert main(["run", str(tiny), "--out", "run"]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert "'client_lr' twice" in line and "lines 9 and 12" in line
@@ -83,8 +59,8 @@ def test_a_duplicate_yaml_key_is_one_line_naming_it(tiny, capsys):
 
 
 def test_divergence_is_one_line_and_the_json_has_no_nan(tmp_path):
-    (tmp_path / "tiny.yaml").write_text(TINY)
-    done = fedax_cli("run", "tiny.yaml", "--out", "run", "--no-progress",
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG)
+    done = run_fedax("run", "tiny.yaml", "--out", "run", "--no-progress",
                      "--set", "client_lr=1e35", "--set", "rounds=3", cwd=tmp_path)
     assert done.returncode == 1
     line = one_error_line(done.stderr)
@@ -144,9 +120,9 @@ def test_an_unwritable_out_names_the_path_and_the_fix(tiny, monkeypatch, capsys)
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
 def test_a_read_only_out_directory_is_one_line(tmp_path):
-    (tmp_path / "tiny.yaml").write_text(TINY)
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG)
     (tmp_path / "ro").mkdir(mode=0o555)
-    done = fedax_cli("run", "tiny.yaml", "--out", "ro/run", "--no-progress", cwd=tmp_path)
+    done = run_fedax("run", "tiny.yaml", "--out", "ro/run", "--no-progress", cwd=tmp_path)
     assert done.returncode == 1
     assert "choose a writable --out" in one_error_line(done.stderr)
 
@@ -194,13 +170,13 @@ def test_any_other_failure_is_one_line_and_debug_shows_the_traceback(tiny, monke
 def test_ctrl_c_stops_quietly_and_says_how_to_continue(tmp_path, strategy, every):
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it (the workers of
     the `processes` strategy included)."""
-    (tmp_path / "tiny.yaml").write_text(TINY)
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG)
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "fedax.cli.main", "run", "tiny.yaml", "--out", "run",
          "--no-progress", "--set", "rounds=1000000", "--set", f"checkpoint_every={every}",
          "--set", f"execution.strategy={strategy}"],
-        cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     try:
         deadline = time.monotonic() + 120

@@ -6,35 +6,13 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+from conftest import TINY_CONFIG, run_fedax
 
 from fedax.cli.main import main
 from fedax.experiments.run import accuracy_figure, dumps, with_status, write_atomic
 from fedax.simulation import History
-
-TINY = """\
-rounds: 2
-dataset: synthetic
-num_clients: 12
-model: logistic
-algorithm: fedavg
-client_fraction: 0.5
-local_epochs: 1
-batch_size: 10
-client_lr: 0.05
-execution:
-  devices: 1
-"""
-
-
-def fedax(*args, cwd, timeout=180):
-    """``fedax ARGS`` in a fresh process (one XLA device), as a user runs it."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "FEDAX_DEVICES")}
-    return subprocess.run([sys.executable, "-m", "fedax.cli.main", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def snapshot(directory):
@@ -53,8 +31,8 @@ def last_line(stderr):
 def finished(tmp_path_factory):
     """A finished run with checkpoints: (directory, config path); copy it before changing."""
     root = tmp_path_factory.mktemp("finished")
-    (root / "tiny.yaml").write_text(TINY)
-    done = fedax("run", "tiny.yaml", "--out", "run", "--no-progress",
+    (root / "tiny.yaml").write_text(TINY_CONFIG)
+    done = run_fedax("run", "tiny.yaml", "--out", "run", "--no-progress",
                  "--set", "checkpoint_every=1", cwd=root)
     assert done.returncode == 0, done.stderr
     return root / "run", root / "tiny.yaml"
@@ -72,7 +50,7 @@ def test_a_refused_resume_changes_nothing_on_disk(run_copy):
     before = snapshot(run_copy)
     assert {"metrics.jsonl", "summary.json", "accuracy.png",
             "checkpoints/ckpt_2.msgpack"} <= set(before)
-    other = fedax("run", "tiny.yaml", "--out", "run", "--no-progress", "--resume",
+    other = run_fedax("run", "tiny.yaml", "--out", "run", "--no-progress", "--resume",
                   "--set", "checkpoint_every=1", "--set", "client_lr=0.2", cwd=run_copy.parent)
     assert other.returncode == 2
     assert snapshot(run_copy) == before
@@ -85,7 +63,7 @@ def test_a_refused_resume_changes_nothing_on_disk(run_copy):
         blob[-5] ^= 0xFF
         path.write_bytes(bytes(blob))
     before = snapshot(run_copy)
-    corrupt = fedax("run", "tiny.yaml", "--out", "run", "--no-progress", "--resume",
+    corrupt = run_fedax("run", "tiny.yaml", "--out", "run", "--no-progress", "--resume",
                     "--set", "checkpoint_every=1", cwd=run_copy.parent)
     assert corrupt.returncode == 2
     assert snapshot(run_copy) == before
@@ -96,7 +74,7 @@ def test_a_refused_resume_changes_nothing_on_disk(run_copy):
 
 def test_an_existing_run_is_refused_without_resume_or_overwrite(run_copy):
     before = snapshot(run_copy)
-    again = fedax("run", "tiny.yaml", "--out", "run", "--no-progress", cwd=run_copy.parent)
+    again = run_fedax("run", "tiny.yaml", "--out", "run", "--no-progress", cwd=run_copy.parent)
     assert again.returncode == 2
     line = last_line(again.stderr)
     assert line.startswith("fedax: error: run already holds a run")
@@ -105,11 +83,11 @@ def test_an_existing_run_is_refused_without_resume_or_overwrite(run_copy):
 
     shutil.rmtree(run_copy / "checkpoints")  # a finished run that cannot be resumed
     before = snapshot(run_copy)
-    resume = fedax("run", "tiny.yaml", "--out", "run", "--resume", cwd=run_copy.parent)
+    resume = run_fedax("run", "tiny.yaml", "--out", "run", "--resume", cwd=run_copy.parent)
     assert resume.returncode == 2 and "no checkpoint" in last_line(resume.stderr)
     assert snapshot(run_copy) == before
 
-    replaced = fedax("run", "tiny.yaml", "--out", "run", "--no-progress", "--overwrite",
+    replaced = run_fedax("run", "tiny.yaml", "--out", "run", "--no-progress", "--overwrite",
                      "--set", "rounds=3", cwd=run_copy.parent)
     assert replaced.returncode == 0, replaced.stderr
     rounds = [json.loads(x)["round"] for x in (run_copy / "metrics.jsonl").open()]
@@ -118,10 +96,10 @@ def test_an_existing_run_is_refused_without_resume_or_overwrite(run_copy):
 
 
 def test_default_out_dirs_do_not_collide(tmp_path):
-    (tmp_path / "tiny.yaml").write_text(TINY)
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG)
     outs = []
     for _ in range(2):
-        done = fedax("run", "tiny.yaml", "--no-progress", cwd=tmp_path)
+        done = run_fedax("run", "tiny.yaml", "--no-progress", cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         line = next(x for x in done.stdout.splitlines() if x.startswith("outputs in "))
         outs.append(line.split()[2].rstrip("/"))
@@ -129,7 +107,7 @@ def test_default_out_dirs_do_not_collide(tmp_path):
     for out in outs:
         assert out.startswith("runs/tiny-") and (tmp_path / out / "summary.json").is_file()
 
-    resume = fedax("run", "tiny.yaml", "--resume", cwd=tmp_path)
+    resume = run_fedax("run", "tiny.yaml", "--resume", cwd=tmp_path)
     assert resume.returncode == 2
     line = last_line(resume.stderr)
     assert "--resume needs --out" in line and f"--out {outs[1]} --resume" in line
