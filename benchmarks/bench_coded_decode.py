@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     import optax
 
     from fedax import federated as fed
-    from fedax.client import BYTE_SCALE_TABLE, Batches, ByteCoded, local_train
+    from fedax.client import Batches, local_train
+    from fedax.data import BYTE_SCALE_TABLE, ByteCoded
     from fedax.models import get_model, softmax_cross_entropy
     from fedax.simulation.host import compiler_options
 

@@ -21,7 +21,8 @@ compiled round, reading the loss back. The quantity is seconds per round (median
 ``--rounds`` rounds after ``--warmup``; one more round runs and is left out, since a round
 also prepares the next cohort, which the last one does not), its ratio to the smallest N,
 peak RSS, the state on the device after the last round (live device arrays: the model,
-SCAFFOLD's c and slots, or its whole c_i table for ``scaffold_device``), the bytes moved to
+SCAFFOLD's c (its cohort's c_i arrive and leave with each round), or its whole c_i table
+for ``scaffold_device``), the bytes moved to
 the device per round, and the store's size (nominal, and what the OS has materialised).
 """
 
@@ -67,15 +68,11 @@ def worker(args) -> dict:
     import optax
 
     from fedax.algorithms import fedavg, scaffold
-    from fedax.data import num_local_steps
+    from fedax.data import VirtualPopulation, num_local_steps, sample_cohort
     from fedax.models import softmax_cross_entropy
     from fedax.simulation import Execution, choose_execution, make_evaluator
-    from fedax.simulation.population import (
-        ClientStateStore,
-        VirtualPopulation,
-        run_population,
-        sample_cohort,
-    )
+    from fedax.simulation.client_state import ClientStateStore
+    from fedax.simulation.population import run_population
 
     n, name = args.worker_n, args.worker_algorithm
     if args.strategy == "default":
@@ -97,7 +94,7 @@ def worker(args) -> dict:
     if name == "fedavg":
         algorithm = fedavg(loss_fn, optax.sgd(args.client_lr))
     elif name == "scaffold":
-        algorithm = scaffold(loss_fn, args.client_lr, n, cohort_slots=slots)
+        algorithm = scaffold(loss_fn, args.client_lr, n)
         if n >= args.memmap_from:
             tmp = tempfile.TemporaryDirectory(prefix="fedax_population_", dir=args.tmpdir)
         store = ClientStateStore(params, n, None if tmp is None else tmp.name)
@@ -128,7 +125,7 @@ def worker(args) -> dict:
     times = history.round_times[args.warmup : args.warmup + args.rounds]
     disturbed = [r["disturbed"] for r in clock.rounds()][args.warmup : args.warmup + args.rounds]
     # What moves to the device each round: the cohort's examples in fixed-shape buffers
-    # (C·T rows), the [C, S, B] indices and masks, and SCAFFOLD's slots in and out.
+    # (C·T rows), the [C, S, B] indices and masks, and SCAFFOLD's cohort c_i in and out.
     rows = population.capacity("train")
     steps = num_local_steps(rows, args.epochs, args.batch_size)
     slot_bytes = 2 * slots * (DIM + 1) * CLASSES * 4 if store is not None else 0
@@ -172,7 +169,7 @@ def worker(args) -> dict:
         if tmp is not None:
             tmp.cleanup()
     if name == "scaffold_device":
-        c = history.state.client_controls
+        c = history.state.clients
         record["device_table_mb"] = sum(np.asarray(a).nbytes for a in jax.tree.leaves(c)) / 2**20
     return record
 

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 from fedax import data as fdata
+from fedax.aggregators import Aggregator, chain, clip_norm, mean
 from fedax.algorithms import scaffold
 from fedax.cli.main import main
 from fedax.experiments.config import ConfigError, validate_config
@@ -206,6 +207,25 @@ class Killed(Exception):
     """Stands in for the process dying."""
 
 
+def noisy_clipped_mean(sigma=1e-4):
+    """A stateful, keyed aggregator: clip, mean, then Gaussian noise from the round's key;
+    its state counts rounds and sums the noise norms, and it reports both as metrics."""
+
+    def server(value, stats, state, key):
+        leaves, treedef = jax.tree.flatten(value)
+        keys = jax.random.split(key, len(leaves))
+        noise = [sigma * jax.random.normal(k, leaf.shape, leaf.dtype)
+                 for k, leaf in zip(keys, leaves, strict=True)]
+        norm = optax.tree.norm(noise)
+        state = (state[0] + 1, state[1] + norm)
+        noisy = jax.tree.unflatten(treedef, [a + b for a, b in zip(leaves, noise, strict=True)])
+        return noisy, state, {"noise_norm": norm, "noise_total": state[1]}
+
+    noise = Aggregator(lambda template: (jnp.zeros((), jnp.int32), jnp.zeros(())),
+                       server=server)
+    return chain(clip_norm(1.0), mean(), noise)
+
+
 def _run(small_mnist, directory, *, execution, kill_after=None, resume=False, seed=0):
     train, model, evaluate = small_mnist
 
@@ -219,7 +239,9 @@ def _run(small_mnist, directory, *, execution, kill_after=None, resume=False, se
     return run(
         # SCAFFOLD with server momentum: server, optimizer and per-client state (every
         # client's control variate) and a round counter must all survive the resume.
-        scaffold(loss, 0.1, train.num_clients, "II", optax.sgd(1.0, momentum=0.5)),
+        # An aggregator with state, keys and metrics of its own: they survive it too.
+        scaffold(loss, 0.1, train.num_clients, "II", optax.sgd(1.0, momentum=0.5),
+                 aggregator=noisy_clipped_mean()),
         model.init(jax.random.key(seed)),
         train,
         evaluate,
@@ -248,7 +270,9 @@ def test_a_killed_and_resumed_run_equals_the_uninterrupted_run(small_mnist, tmp_
     assert [r["round"] for r in full.records] == [1, 2, 3, 4, 5, 6]
     assert full.records[-1]["test_accuracy"] > 0.5  # it learns
     assert int(full.state.round) == 6
-    assert np.any(np.asarray(full.state.client_controls["dense1"]["kernel"]) != 0)
+    assert np.any(np.asarray(full.state.clients["dense1"]["kernel"]) != 0)
+    assert int(full.state.aggregator[2][0]) == 6  # the aggregator's own state
+    assert all(r["noise_norm"] > 0 and "clipped_clients" in r for r in full.records)
     with pytest.raises(Killed):
         _run(small_mnist, tmp_path / "run", execution=execution, kill_after=kill_after)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [

@@ -60,8 +60,9 @@ def test_one_round_equals_the_runners_first_round(make_data):
             state, cohort_batches(train, cohort), jax.random.fold_in(base, 0)
         )
     assert np.isfinite(float(metrics["train_loss"]))
-    assert np.abs(state.params["dense"]["kernel"]).max() > 0  # the round trained
-    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(history.state.params),
+    assert np.abs(state.server.params["dense"]["kernel"]).max() > 0  # the round trained
+    for got, want in zip(jax.tree.leaves(state.server.params),
+            jax.tree.leaves(history.state.server.params),
                          strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6)
 

@@ -14,6 +14,7 @@ from fedax.experiments.config import (
     check_against_data,
     config_to_dict,
     load_config,
+    resolved_server_optimizer,
     validate_config,
 )
 
@@ -32,8 +33,7 @@ VALID = {
     "local_epochs": 1,
     "batch_size": 10,
     "client_lr": 0.1,
-    "server": {"optimizer": "momentum", "lr": 1.0, "momentum": 0.5, "b1": 0.9, "b2": 0.99,
-               "tau": 0.001},
+    "server": {"optimizer": "momentum", "lr": 1.0, "momentum": 0.5},
     "eval_every": 5,
     "target_accuracy": 0.97,
     "stop_at_target": False,
@@ -88,7 +88,10 @@ def test_defaults():
         )
     )
     assert (config.seed, config.num_clients, config.eval_every) == (0, 100, 1)
-    assert (config.server.optimizer, config.server.lr, config.server.momentum) == ("sgd", 1.0, 0.9)
+    assert config.server.optimizer is None and config.server.lr is None  # not given
+    server = resolved_server_optimizer(config)
+    assert (server.name, dict(server.hyperparameters), server.defaults) == ("sgd", {"lr": 1.0},
+                                                                            ("lr",))
     assert (config.execution.strategy, config.execution.local_steps) == ("auto", "auto")
     assert config.dataset == "mnist" and config.target_accuracy is None
 
@@ -106,7 +109,7 @@ def test_batch_size_inf_is_stored_as_math_inf_and_written_as_string(value):
     [
         (_with(lr_client=0.1), "'lr_client'", "allowed: seed, rounds"),
         (_with(server={"lrr": 0.5}), "'server.lrr'",
-         "allowed: optimizer, lr, momentum, b1, b2, tau"),
+         "allowed: optimizer, lr, momentum, nesterov, b1, b2, tau, initial_accumulator"),
         (_with(execution={"strategy": "pmap"}), "'execution.strategy'", "'vmap'"),
         (_with(rounds="ten"), "'rounds'", "an integer > 0, got 'ten'"),
         (_with(rounds="10"), "'rounds'", "an integer > 0"),
@@ -123,6 +126,9 @@ def test_batch_size_inf_is_stored_as_math_inf_and_written_as_string(value):
         (_with(client_lr=True), "'client_lr'", "> 0"),
         (_with(server={"lr": -1.0}), "'server.lr'", "> 0"),
         (_with(server={"momentum": 1.0}), "'server.momentum'", "[0, 1)"),
+        (_with(server={"optimizer": "rmsprop"}), "'server.optimizer'", "'sgd', 'momentum'"),
+        (_with(server={"optimizer": "momentum", "nesterov": "yes"}), "'server.nesterov'",
+         "true or false"),
         (_with(server="adam"), "'server'", "a section with keys optimizer, lr, momentum"),
         (_with(model="resnet"), "'model'", "'2nn', 'cnn'"),
         (_with(partition="shards"), "'partition'",
@@ -171,7 +177,8 @@ def test_set_overrides(write):
 
 def test_set_reaches_a_section_missing_from_the_file(write):
     config = load_config(write(_with(server=...)), ["server.optimizer=adam"])
-    assert config.server.optimizer == "adam" and config.server.lr == 1.0
+    assert config.server.optimizer == "adam" and config.server.lr is None
+    assert resolved_server_optimizer(config).hyperparameters["lr"] == 0.01  # adam's default
 
 
 @pytest.mark.parametrize(
@@ -182,7 +189,8 @@ def test_set_reaches_a_section_missing_from_the_file(write):
         ("server.=3", "malformed"),
         ("lr_client=0.1", "unknown config key 'lr_client'"),
         ("server.lrr=0.5",
-         "unknown config key 'server.lrr' (allowed: optimizer, lr, momentum, b1, b2, tau)"),
+         "unknown config key 'server.lrr' (allowed: optimizer, lr, momentum, nesterov, b1, b2,"
+         " tau, initial_accumulator)"),
         ("rounds.x=1", "unknown config key 'rounds.x'"),
         ("client_fraction=0", "config key 'client_fraction'"),
         ("server.lr=[1", "not valid YAML"),
@@ -262,12 +270,14 @@ def test_algorithm_names_match_the_algorithm_registry():
 
 
 def test_new_keys_are_validated(write):
-    cases = [("mu=-1", "'mu'"), ("server.tau=0", "'server.tau'"),
+    cases = [("mu=-1", "'mu'"), ("server.tau=-1", "'server.tau'"),
+             ("server.tau=0", "'server.tau': server optimizer 'adam': tau = 0 needs"),
              ("server.b2=1.5", "'server.b2'"), ("dirichlet_alpha=0", "'dirichlet_alpha'"),
              ("similarity=2", "'similarity'"), ("dataset=cifar", "'dataset'")]
     for override, key in cases:
         with pytest.raises(ConfigError, match=key):
-            load_config(write(VALID), [override])
+            load_config(write(VALID), ["server.optimizer=adam", "server.momentum=null",
+                                       override])
 
 
 def test_shakespeare_goes_with_the_char_lstm_and_its_own_partitions():
@@ -288,3 +298,79 @@ def test_shakespeare_goes_with_the_char_lstm_and_its_own_partitions():
         validate_config({**base, "dataset": "mnist", "partition": "iid"})
     with pytest.raises(ConfigError, match="shakespeare.max_clients"):
         validate_config({**base, "shakespeare": {"max_clients": 0}})
+
+
+# The server section: one spec (fedax.algorithms.server_optimizers), the keys from the specs.
+
+_ONE_LINE_SERVER_ERRORS = [
+    ("fedavg", {"b1": 0.9}, "config key 'server.b1': server optimizer 'sgd' (the default;"
+     " choose one with server.optimizer) has no hyperparameter 'b1'; allowed: optimizer, lr"),
+    ("fedprox", {"optimizer": "momentum", "tau": 0.1}, "config key 'server.tau': server"
+     " optimizer 'momentum' has no hyperparameter 'tau'; allowed: optimizer, lr, momentum,"
+     " nesterov"),
+    ("fedadam", {"momentum": 0.9}, "config key 'server.momentum': server optimizer 'adam'"
+     " (implied by algorithm 'fedadam') has no hyperparameter 'momentum'; allowed: optimizer,"
+     " lr, b1, b2, tau, initial_accumulator"),
+    ("fedadagrad", {"b2": 0.9}, "config key 'server.b2': server optimizer 'adagrad' (implied"
+     " by algorithm 'fedadagrad') has no hyperparameter 'b2'"),
+    ("fedavgm", {"b1": 0.9}, "config key 'server.b1': server optimizer 'momentum' (implied"),
+    ("fedadam", {"optimizer": "sgd"}, "config key 'server.optimizer': algorithm 'fedadam' is"
+     " FedAvg with server optimizer 'adam', got server optimizer 'sgd'"),
+    ("fedavgm", {"optimizer": "adam"}, "config key 'server.optimizer': algorithm 'fedavgm'"),
+    ("fedyogi", {"tau": 0}, "config key 'server.tau': server optimizer 'yogi': tau = 0 needs"
+     " initial_accumulator > 0"),
+]
+
+
+@pytest.mark.parametrize(("algorithm", "server", "message"), _ONE_LINE_SERVER_ERRORS)
+def test_a_server_key_that_does_not_apply_is_one_line_naming_it(write, algorithm, server,
+                                                                 message):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(_with(algorithm=algorithm, server=server)))
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("algorithm", "optimizer", "lr"), [
+    ("fedavg", "sgd", 1.0), ("fedsgd", "sgd", 1.0), ("fedprox", "sgd", 1.0),
+    ("scaffold", "sgd", 1.0), ("fedavgm", "momentum", 1.0), ("fedadagrad", "adagrad", 0.1),
+    ("fedadam", "adam", 0.01), ("fedyogi", "yogi", 0.01), ("fedamsgrad", "amsgrad", 0.01),
+])
+def test_the_server_lr_defaults_to_the_optimizers_own(algorithm, optimizer, lr):
+    data = _with(algorithm=algorithm, server=..., local_epochs=1, batch_size="inf")
+    server = resolved_server_optimizer(validate_config(data))
+    assert (server.name, server.hyperparameters["lr"]) == (optimizer, lr)
+    assert "lr" in server.defaults
+    # the implied optimizer may be named, and then is the same spec
+    named = validate_config({**data, "server": {"optimizer": optimizer, "lr": 0.5}})
+    assert resolved_server_optimizer(named).name == optimizer
+    assert resolved_server_optimizer(named).hyperparameters["lr"] == 0.5
+    assert "lr" not in resolved_server_optimizer(named).defaults
+
+
+def test_the_server_section_is_written_with_the_keys_given():
+    for server in ({}, {"lr": 0.5}, {"optimizer": "adam", "tau": 1e-4, "b2": 0.999},
+                   {"optimizer": "momentum", "nesterov": True}):
+        config = validate_config(_with(server=server))
+        assert config_to_dict(config)["server"] == server
+        assert validate_config(config_to_dict(config)) == config
+    adam = resolved_server_optimizer(validate_config(_with(server={"optimizer": "adam",
+                                                                   "tau": "1e-4"})))
+    assert adam.hyperparameters["tau"] == 1e-4 and adam.hyperparameters["b2"] == 0.99
+    assert adam.defaults == ("lr", "b1", "b2", "initial_accumulator")
+
+
+def test_server_keys_come_from_the_server_optimizer_specs():
+    from fedax.algorithms import SERVER_OPTIMIZERS
+    from fedax.experiments.config import ServerConfig
+
+    keys = {k for spec in SERVER_OPTIMIZERS.values() for k in spec.hyperparameters}
+    assert set(ServerConfig.model_fields) == {"optimizer"} | keys
+    assert get_args(get_args(ServerConfig.model_fields["optimizer"].annotation)[0]) == tuple(
+        SERVER_OPTIMIZERS)
+
+
+def test_example_configs_run_server_sgd_at_one():
+    configs = resources.files("fedax") / "configs"
+    for name in ("mnist_2nn_noniid_fedavg.yaml", "mnist_2nn_noniid_fedsgd.yaml"):
+        server = resolved_server_optimizer(load_config(configs / name))
+        assert (server.name, dict(server.hyperparameters)) == ("sgd", {"lr": 1.0})

@@ -93,7 +93,7 @@ def test_runs_on_codes_equal_runs_on_floats_bit_for_bit(monkeypatch, mnist_small
             lambda p: (0.0, 0.0), rounds=2, client_fraction=0.5, local_epochs=1,
             batch_size=10, seed=3, execution=Execution("sequential", "scan", devices),
         )
-        return history.state.params, history.records[-1]["train_loss"]
+        return history.state.server.params, history.records[-1]["train_loss"]
 
     compact_params, compact_loss = once()
     monkeypatch.setattr(runner_module, "put_features",
@@ -108,7 +108,8 @@ def test_coded_cohorts_decode_per_step_to_the_float_values(mnist_small):
     """A cohort's ``ByteCoded`` features: the local-training result and the federated loss
     equal those on the float features bit for bit (the loss only ever sees floats)."""
     from fedax.algorithms import CohortBatches, federated_loss
-    from fedax.client import Batches, ByteCoded, decoded, local_train
+    from fedax.client import Batches, decoded, local_train
+    from fedax.data import ByteCoded
 
     x, y = mnist_small
     features = dd.put_features(x)

@@ -106,8 +106,8 @@ def test_fedavg_round_matches_numpy_algorithm_1(problem, map_strategy, steps):
     params = {"w": jnp.asarray(w0, jnp.float32), "b": jnp.asarray(b0, jnp.float32)}
     with fed.map_strategy(map_strategy), steps_strategy(steps):
         state, metrics = jax.jit(alg.round)(alg.init(params, None), cohort, jax.random.key(0))
-    np.testing.assert_allclose(state.params["w"], ref_w, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(state.params["b"], ref_b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.server.params["w"], ref_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.server.params["b"], ref_b, rtol=1e-5, atol=1e-6)
     # each client took exactly E * ceil(n_k / B) real steps
     expected_steps = np.average([epochs * -(-n // batch_size) for n in sizes], weights=sizes)
     np.testing.assert_allclose(metrics["local_steps"], expected_steps)
@@ -123,7 +123,8 @@ def test_padding_a_client_to_more_steps_changes_nothing(problem):
     padded = build_cohort(clients, epochs, batch_size, perms, needed + 5)
     s1, _ = alg.round(alg.init(params, None), tight, None)
     s2, _ = alg.round(alg.init(params, None), padded, None)
-    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params), strict=True):
+    for a, b in zip(jax.tree.leaves(s1.server.params),
+            jax.tree.leaves(s2.server.params), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -141,14 +142,15 @@ def test_fedavg_full_batch_one_epoch_equals_fedsgd(problem):
     for _ in range(3):
         sa, _ = avg.round(sa, cohort, None)
         sb, _ = sgd.round(sb, cohort, None)
-    for a, b in zip(jax.tree.leaves(sa.params), jax.tree.leaves(sb.params), strict=True):
+    for a, b in zip(jax.tree.leaves(sa.server.params),
+            jax.tree.leaves(sb.server.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # and FedSGD is the paper's w - η Σ (n_k/n) ∇F_k(w): check one plain step in NumPy
     sgd1 = fedsgd(loss_fn, lr)
     s, _ = sgd1.round(sgd1.init(params, None), cohort, None)
     pairs = zip(sizes, clients, strict=True)
     gw = sum(n / sum(sizes) * np_grad(w0, b0, cx, cy)[0] for n, (cx, cy) in pairs)
-    np.testing.assert_allclose(s.params["w"], w0 - lr * gw, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(s.server.params["w"], w0 - lr * gw, rtol=1e-5, atol=1e-6)
 
 
 def test_round_is_differentiable_in_the_client_learning_rate(problem):
@@ -169,7 +171,7 @@ def test_round_is_differentiable_in_the_client_learning_rate(problem):
         def after_round(lr):
             alg = fedavg(loss_fn, optax.sgd(lr))
             state, _ = alg.round(alg.init(params, None), cohort64, None)
-            return loss_fn(state.params, eval_batch)
+            return loss_fn(state.server.params, eval_batch)
 
         lr, h = 0.3, 1e-6
         fd = (after_round(lr + h) - after_round(lr - h)) / (2 * h)

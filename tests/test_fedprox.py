@@ -16,16 +16,10 @@ import optax
 import pytest
 
 from fedax import federated as fed
-from fedax.algorithms import (
-    CohortBatches,
-    drop_stragglers,
-    fedadam,
-    fedavg,
-    fedprox,
-    straggler_epochs,
-)
+from fedax.algorithms import CohortBatches, fedadam, fedavg, fedprox
 from fedax.client import Batches
 from fedax.data import Cohort
+from fedax.simulation.stragglers import drop_stragglers, straggler_epochs
 
 D, K = 5, 3  # features, classes
 
@@ -108,8 +102,8 @@ def test_fedprox_round_with_stragglers_matches_numpy(problem, map_strategy):
     alg = fedprox(loss_fn, optax.sgd(lr), mu)
     with fed.map_strategy(map_strategy):
         state, metrics = jax.jit(alg.round)(alg.init(as_params(w0, b0), None), cohort, None)
-    np.testing.assert_allclose(state.params["w"], ref_w, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(state.params["b"], ref_b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.server.params["w"], ref_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.server.params["b"], ref_b, rtol=1e-5, atol=1e-6)
     steps = [e * -(-n // batch_size) for e, n in zip(epochs, sizes, strict=True)]
     np.testing.assert_allclose(metrics["local_steps"], np.average(steps, weights=sizes))
 
@@ -121,7 +115,7 @@ def test_fedprox_differs_from_fedavg_when_mu_positive(problem):
     sp, _ = prox.round(prox.init(as_params(w0, b0), None), cohort, None)
     sa, _ = avg.round(avg.init(as_params(w0, b0), None), cohort, None)
     # the prox term pulls every client towards w_t: a smaller move than FedAvg's
-    move = {k: float(jnp.linalg.norm(s.params["w"] - w0)) for k, s in (("p", sp), ("a", sa))}
+    move = {k: float(jnp.linalg.norm(s.server.params["w"] - w0)) for k, s in (("p", sp), ("a", sa))}
     assert move["p"] < move["a"]
 
 
@@ -157,7 +151,7 @@ def test_fedavg_drops_stragglers(problem):
         ref_w += sizes[k] / (sizes[0] + sizes[2]) * wk
     alg = fedavg(loss_fn, optax.sgd(lr))
     state, _ = jax.jit(alg.round)(alg.init(as_params(w0, b0), None), dropped, None)
-    np.testing.assert_allclose(state.params["w"], ref_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.server.params["w"], ref_w, rtol=1e-5, atol=1e-6)
 
     # traceable on device arrays, inside jit
     def round_dropping(state, cohort, flags):
@@ -167,7 +161,8 @@ def test_fedavg_drops_stragglers(problem):
     state2, _ = jax.jit(round_dropping)(
         alg.init(as_params(w0, b0), None), cohort_dev, jnp.asarray(is_straggler)
     )
-    np.testing.assert_allclose(state2.params["w"], state.params["w"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(state2.server.params["w"], state.server.params["w"],
+                               rtol=1e-6, atol=1e-7)
 
 
 def test_drop_stragglers_on_host_cohort():

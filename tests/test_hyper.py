@@ -227,10 +227,11 @@ def test_client_weighting_at_zero_is_fedavg_and_its_hypergradient_is_exact(setup
         def after(theta):
             alg = fedavg(loss_fn, optax.sgd(0.4), client_weights=weighting(theta))
             s, _ = alg.round(alg.init(params, None), one, None)
-            return s, federated_loss(loss_fn, s.params, holdout)
+            return s, federated_loss(loss_fn, s.server.params, holdout)
 
         s1, _ = after(jnp.zeros(2))
-        for a, b in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s1.params), strict=True):
+        for a, b in zip(jax.tree.leaves(s0.server.params),
+                jax.tree.leaves(s1.server.params), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-12)
         theta = jnp.array([0.3, -0.2])
         g = jax.grad(lambda t: after(t)[1])(theta)

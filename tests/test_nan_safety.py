@@ -107,7 +107,7 @@ def test_nan_client_is_excluded_and_counted_while_others_are_averaged(name):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(metrics["train_loss"], ref_metrics["train_loss"], rtol=1e-5)
     if name == "scaffold":  # the rejected client's own control variate is untouched
-        for leaf in jax.tree.leaves(with_nan.client_controls):
+        for leaf in jax.tree.leaves(with_nan.clients):
             assert np.all(np.asarray(leaf)[1] == 0.0)
 
 
@@ -139,7 +139,7 @@ def test_runner_counts_rejected_clients_per_record_and_resumes_them_exactly(tmp_
         expected.append(int(np.isin(ids, [1, 3]).sum()))
     assert counts == [expected[0] + expected[1], expected[2] + expected[3]]
     assert sum(counts) > 0
-    for leaf in jax.tree.leaves(full.state.params):
+    for leaf in jax.tree.leaves(full.state.server.params):
         assert np.all(np.isfinite(leaf))
     # Resumed from round 3 (between two records): the count since the last record comes
     # from the checkpoint, and the records equal the uninterrupted run's.

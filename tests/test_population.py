@@ -1,5 +1,6 @@
-"""Virtual populations, the host client-state store, the O(C) cohort sampler and the
-population runner (``fedax.simulation.population``)."""
+"""Virtual populations and the O(C) cohort sampler (``fedax.data.virtual_population``), the
+host client-state store (``fedax.simulation.client_state``) and the population runner
+(``fedax.simulation.population``)."""
 
 import itertools
 import math
@@ -10,15 +11,12 @@ import numpy as np
 import optax
 import pytest
 
-from fedax.algorithms import FederatedAlgorithm, fedavg, scaffold
+from fedax.algorithms import compose, fedavg, scaffold
+from fedax.data import VirtualPopulation, sample_cohort
 from fedax.models import softmax_cross_entropy
 from fedax.simulation import Execution
-from fedax.simulation.population import (
-    ClientStateStore,
-    VirtualPopulation,
-    run_population,
-    sample_cohort,
-)
+from fedax.simulation.client_state import ClientStateStore
+from fedax.simulation.population import run_population
 
 DIM, CLASSES = 5, 3
 
@@ -41,15 +39,15 @@ def small_population(num_clients=12):
     )
 
 
-def counting(algorithm):
-    """The algorithm with a counter of how often its round is traced."""
+def counting(algorithm, num_clients=None):
+    """The algorithm with a counter of how often its client update is traced."""
     traces = []
 
-    def round_fn(state, cohort, key):
+    def client_update(*args):
         traces.append(1)
-        return algorithm.round(state, cohort, key)
+        return algorithm.pieces.client_update(*args)
 
-    return FederatedAlgorithm(algorithm.init, round_fn, algorithm.server_params), traces
+    return compose(algorithm.pieces._replace(client_update=client_update), num_clients), traces
 
 
 # ---- (a) SCAFFOLD with the host store = on-device SCAFFOLD ----------------------------------
@@ -63,7 +61,6 @@ def test_scaffold_with_host_store_matches_on_device(tmp_path, devices, memmap):
     # partial cohorts, and some client is sampled twice: its c_i comes back from the store
     assert len(set(itertools.chain(*map(list, cohorts)))) < rounds * cohort < rounds * n
     execution = Execution("vmap", "scan", devices)
-    slots = -(-cohort // devices) * devices  # 5, or 6 with one padding client for 2 devices
     kwargs = dict(
         rounds=rounds,
         cohort_size=cohort,
@@ -77,24 +74,26 @@ def test_scaffold_with_host_store_matches_on_device(tmp_path, devices, memmap):
     reference = run_population(on_device, init_params(), population, None, **kwargs)
 
     store = ClientStateStore(init_params(), n, tmp_path / "c" if memmap else None)
-    sliced, traces = counting(
-        scaffold(loss_fn, 0.3, n, server_optimizer=optax.sgd(0.7), cohort_slots=slots)
-    )
-    hosted = run_population(sliced, init_params(), population, None, client_state=store, **kwargs)
-    assert len(traces) == 1
-    assert jax.tree.leaves(hosted.state.client_controls)[0].shape[0] == slots
+    counted, traces = counting(scaffold(loss_fn, 0.3, n, server_optimizer=optax.sgd(0.7)), n)
+    hosted = run_population(counted, init_params(), population, None, client_state=store,
+                            **kwargs)
+    assert len(traces) == 1  # one compilation for every round
+    assert hosted.state.clients is None  # nothing of size N in the algorithm state
 
     for a, b in zip(
-        jax.tree.leaves(reference.state.params), jax.tree.leaves(hosted.state.params), strict=True
+        jax.tree.leaves(reference.state.server.params),
+        jax.tree.leaves(hosted.state.server.params), strict=True
     ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     for a, b in zip(
-        jax.tree.leaves(reference.state.control), jax.tree.leaves(hosted.state.control), strict=True
+        jax.tree.leaves(reference.state.server.control),
+        jax.tree.leaves(hosted.state.server.control), strict=True
     ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     everyone = store.gather(np.arange(n))
     for a, b in zip(
-        jax.tree.leaves(reference.state.client_controls), jax.tree.leaves(everyone), strict=True
+        jax.tree.leaves(reference.state.clients),
+        jax.tree.leaves(everyone), strict=True
     ):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     never = np.setdiff1d(np.arange(n), np.concatenate(cohorts))
@@ -104,25 +103,18 @@ def test_scaffold_with_host_store_matches_on_device(tmp_path, devices, memmap):
     )
 
 
-def test_scaffold_slots_validation():
-    with pytest.raises(ValueError, match="cohort_slots"):
-        scaffold(loss_fn, 0.1, 4, cohort_slots=0)
+def test_host_store_validation():
     population = small_population()
-    alg = scaffold(loss_fn, 0.1, population.num_clients, cohort_slots=4)
+    kwargs = dict(rounds=1, cohort_size=3, local_epochs=1, batch_size=4,
+                  execution=Execution("vmap", "scan", 1))
     store = ClientStateStore(init_params(), population.num_clients)
-    with pytest.raises(ValueError, match="cohort_slots=3"):  # slots must match the cohort
-        run_population(
-            alg,
-            init_params(),
-            population,
-            None,
-            rounds=1,
-            cohort_size=3,
-            local_epochs=1,
-            batch_size=4,
-            client_state=store,
-            execution=Execution("vmap", "scan", 1),
-        )
+    stateless = fedavg(loss_fn, optax.sgd(0.1))
+    with pytest.raises(ValueError, match="per-client state"):
+        run_population(stateless, init_params(), population, None, client_state=store, **kwargs)
+    small = ClientStateStore(init_params(), population.num_clients - 1)
+    alg = scaffold(loss_fn, 0.1, population.num_clients)
+    with pytest.raises(ValueError, match="store has"):
+        run_population(alg, init_params(), population, None, client_state=small, **kwargs)
 
 
 # ---- (b) the store ------------------------------------------------------------------------
@@ -300,7 +292,8 @@ def test_population_runner_compiles_once_and_records():
         execution=Execution("vmap", "scan", 1),
     )
     for a, b in zip(
-        jax.tree.leaves(history.state.params), jax.tree.leaves(again.state.params), strict=True
+        jax.tree.leaves(history.state.server.params),
+        jax.tree.leaves(again.state.server.params), strict=True
     ):
         np.testing.assert_array_equal(a, b)
     full = run_population(

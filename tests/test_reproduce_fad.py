@@ -13,7 +13,7 @@ import pytest
 
 from fedax import data as fdata
 from fedax.algorithms import fedavg
-from fedax.hyper import HyperCohort, hypergradient, learned_server_lr
+from fedax.hyper import HyperCohort, hypergradient, learned_server_lr, learned_server_lr_carried
 from fedax.reproduce import EXPERIMENTS
 from fedax.reproduce import fad_client_weights as fcw
 from fedax.reproduce import fad_server_lr as fsl
@@ -24,11 +24,11 @@ def _labels_and_parts(num_clients=20, per_client=20, classes=10):
     return labels, fdata.iid(len(labels), num_clients, seed=0)
 
 
-@pytest.mark.parametrize("mode", fcw.MODES)
+@pytest.mark.parametrize("mode", fdata.MISLABEL_MODES)
 def test_mislabel_clients_count_changed_and_deterministic(mode):
     labels, parts = _labels_and_parts()
     original = labels.copy()
-    new, bad = fcw.mislabel_clients(labels, parts, 0.3, seed=5, mode=mode)
+    new, bad = fdata.mislabel_clients(labels, parts, 0.3, seed=5, mode=mode)
     np.testing.assert_array_equal(labels, original)  # the input is not modified
     assert new.dtype == labels.dtype
     assert len(bad) == 6 and len(np.unique(bad)) == 6 and np.all(np.diff(bad) > 0)
@@ -38,16 +38,16 @@ def test_mislabel_clients_count_changed_and_deterministic(mode):
             assert np.all((new[idx] >= 0) & (new[idx] < 10))
         else:
             np.testing.assert_array_equal(new[idx], labels[idx])
-    again, bad_again = fcw.mislabel_clients(labels, parts, 0.3, seed=5, mode=mode)
+    again, bad_again = fdata.mislabel_clients(labels, parts, 0.3, seed=5, mode=mode)
     np.testing.assert_array_equal(again, new)
     np.testing.assert_array_equal(bad_again, bad)
-    others = [fcw.mislabel_clients(labels, parts, 0.3, seed=s, mode=mode)[1] for s in (6, 7)]
+    others = [fdata.mislabel_clients(labels, parts, 0.3, seed=s, mode=mode)[1] for s in (6, 7)]
     assert any(not np.array_equal(o, bad) for o in others)
 
 
 def test_mislabel_permute_is_a_per_client_bijection_and_edge_fractions():
     labels, parts = _labels_and_parts()
-    new, bad = fcw.mislabel_clients(labels, parts, 0.5, seed=1, mode="permute")
+    new, bad = fdata.mislabel_clients(labels, parts, 0.5, seed=1, mode="permute")
     maps = []
     for k in bad:
         idx = parts[k]
@@ -57,10 +57,10 @@ def test_mislabel_permute_is_a_per_client_bijection_and_edge_fractions():
         assert len(set(mapping.values())) == len(mapping)  # injective
         maps.append(tuple(sorted(mapping.items())))
     assert len(set(maps)) > 1  # each bad client has its own permutation
-    assert len(fcw.mislabel_clients(labels, parts, 0.0, seed=1)[1]) == 0
-    assert len(fcw.mislabel_clients(labels, parts, 1.0, seed=1)[1]) == len(parts)
+    assert len(fdata.mislabel_clients(labels, parts, 0.0, seed=1)[1]) == 0
+    assert len(fdata.mislabel_clients(labels, parts, 1.0, seed=1)[1]) == len(parts)
     with pytest.raises(ValueError):
-        fcw.mislabel_clients(labels, parts, 0.3, seed=1, mode="flip")
+        fdata.mislabel_clients(labels, parts, 0.3, seed=1, mode="flip")
 
 
 def test_weight_stats():
@@ -110,13 +110,13 @@ def _problem(rounds=3):
 @jax.jit
 def _carried_step(state, cohort, hyper_lr, decay):
     """A round of the carried-tangent algorithm (Adam on log η), compiled once for all."""
-    algorithm = fsl.learned_server_lr_carried(_make, 1.0, _loss_fn, optax.adam(hyper_lr), decay)
+    algorithm = learned_server_lr_carried(_make, 1.0, _loss_fn, optax.adam(hyper_lr), decay)
     return algorithm.round(state, cohort, None)
 
 
 def test_carried_tangent_with_zero_decay_is_the_one_round_hypergradient():
     params, cohorts = _problem()
-    ours = fsl.learned_server_lr_carried(_make, 0.7, _loss_fn, optax.adam(0.1))
+    ours = learned_server_lr_carried(_make, 0.7, _loss_fn, optax.adam(0.1))
     library = learned_server_lr(_make, 0.7, _loss_fn, optax.adam(0.1), mode="forward")
     library_step = jax.jit(library.round)
     a, b = ours.init(params, None), library.init(params, None)
@@ -135,7 +135,7 @@ def test_carried_tangent_is_the_exact_hypergradient_through_past_rounds():
     the round-2 holdout loss after both rounds: fedax.hyper.hypergradient through 2 rounds."""
     params, cohorts = _problem(rounds=2)
     lr = 0.7
-    algorithm = fsl.learned_server_lr_carried(_make, lr, _loss_fn, optax.adam(0.0))
+    algorithm = learned_server_lr_carried(_make, lr, _loss_fn, optax.adam(0.0))
     carried = one_round = algorithm.init(params, None)
     for cohort in cohorts:
         carried, metrics = _carried_step(carried, cohort, 0.0, 1.0)
@@ -158,7 +158,7 @@ def _tiny_task(seed=0, fraction=0.3, mode="permute", clients=10, per_client=60):
     train, test = fdata.synthetic(0.0, 0.0, num_clients=clients, dim=8, num_classes=4,
                                   seed=seed, iid=True, sizes=per_client)
     parts = [train.client_indices(k) for k in range(clients)]
-    y, bad = fcw.mislabel_clients(train.y, parts, fraction, seed, mode)
+    y, bad = fdata.mislabel_clients(train.y, parts, fraction, seed, mode)
     train = fdata.ClientData(train.x, y, train.indices, train.offsets)
     task = fsl.Task("tiny", "tiny synthetic", train, test.x, test.y,
                     fsl.logistic_model(8, 4), clients_per_round=5, epochs=1, batch=10,

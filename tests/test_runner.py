@@ -60,7 +60,8 @@ def test_execution_strategies_agree(small_mnist):
         other = _run(small_mnist, 0, execution, rounds=2)
         for r1, r2 in zip(ref.records, other.records, strict=True):
             assert r1["test_loss"] == pytest.approx(r2["test_loss"], rel=1e-4)
-        for p1, p2 in zip(jax.tree.leaves(ref.state.params), jax.tree.leaves(other.state.params),
+        for p1, p2 in zip(jax.tree.leaves(ref.state.server.params),
+                jax.tree.leaves(other.state.server.params),
                           strict=True):
             np.testing.assert_allclose(p1, p2, rtol=1e-4, atol=1e-5)
 
@@ -75,7 +76,8 @@ def test_rounds_sharded_over_devices_equal_one_device(small_mnist, strategy, dev
     for r1, r2 in zip(ref.records, sharded.records, strict=True):
         assert r1["test_loss"] == pytest.approx(r2["test_loss"], rel=1e-5)
         assert r1["train_loss"] == pytest.approx(r2["train_loss"], rel=1e-5)
-    for p1, p2 in zip(jax.tree.leaves(ref.state.params), jax.tree.leaves(sharded.state.params),
+    for p1, p2 in zip(jax.tree.leaves(ref.state.server.params),
+            jax.tree.leaves(sharded.state.server.params),
                       strict=True):
         np.testing.assert_allclose(p1, p2, rtol=1e-5, atol=1e-6)
 
@@ -108,7 +110,7 @@ def test_fedax_run_bad_config_is_one_clear_line(capsys):
 @pytest.mark.parametrize("algorithm,extra", [
     ("fedprox", ["mu=0.1"]),
     ("scaffold", []),
-    ("fedadam", ["server.lr=0.01"]),
+    ("fedadam", ["server.optimizer=adam", "server.lr=0.01"]),  # the config names sgd
 ])
 def test_fedax_run_builds_every_algorithm_family(tmp_path, algorithm, extra):
     """The command builds registry algorithms (stateful SCAFFOLD included) on a Dirichlet
@@ -175,6 +177,7 @@ def test_a_run_leaves_the_callers_init_params_usable(small_mnist):
 
     first, second = once(), once()
     assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))
-    for a, b in zip(jax.tree.leaves(first.state.params), jax.tree.leaves(second.state.params),
+    for a, b in zip(jax.tree.leaves(first.state.server.params),
+            jax.tree.leaves(second.state.server.params),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

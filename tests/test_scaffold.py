@@ -151,13 +151,13 @@ def test_two_rounds_partial_cohort_match_numpy_algorithm_1(problem, option, map_
             cohort = build_cohort(clients, ids, perms, batch_size, num_steps, pad_clients=2)
             state, metrics = round_fn(state, cohort, None)
 
-            np.testing.assert_allclose(flat(state.params), x, rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(flat(state.control), c, rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(flat(state.client_controls), c_all, rtol=1e-4, atol=1e-5)
-    np.testing.assert_array_equal(flat(state.client_controls)[2], 0.0)  # never sampled
+            np.testing.assert_allclose(flat(state.server.params), x, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(flat(state.server.control), c, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(flat(state.clients), c_all, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(flat(state.clients)[2], 0.0)  # never sampled
     assert int(state.round) == 2
     # the invariant c = (1/N) Σ_i c_i holds (all zero at init)
-    np.testing.assert_allclose(flat(state.control), flat(state.client_controls).mean(0), atol=1e-6)
+    np.testing.assert_allclose(flat(state.server.control), flat(state.clients).mean(0), atol=1e-6)
 
 
 def test_zero_controls_one_round_is_fedavg_with_plain_mean(problem):
@@ -173,7 +173,8 @@ def test_zero_controls_one_round_is_fedavg_with_plain_mean(problem):
     avg_round = jax.jit(avg.round)
     plain = cohort._replace(num_examples=np.ones(len(ids), np.float32))
     s_avg, m_avg = avg_round(avg.init(to_params(theta0), None), plain, None)
-    for a, b in zip(jax.tree.leaves(s_sc.params), jax.tree.leaves(s_avg.params), strict=True):
+    for a, b in zip(jax.tree.leaves(s_sc.server.params),
+            jax.tree.leaves(s_avg.server.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     # same local losses (the drift correction does not change the reported loss)
     s_w, m_w = avg_round(avg.init(to_params(theta0), None), cohort, None)
@@ -182,7 +183,8 @@ def test_zero_controls_one_round_is_fedavg_with_plain_mean(problem):
     # and with n_k weighting it is FedAvg's n_k-weighted mean
     scw = scaffold(loss_fn, lr, N, weighting="num_examples")
     s_scw, _ = jax.jit(scw.round)(scw.init(to_params(theta0), None), cohort, None)
-    for a, b in zip(jax.tree.leaves(s_scw.params), jax.tree.leaves(s_w.params), strict=True):
+    for a, b in zip(jax.tree.leaves(s_scw.server.params),
+            jax.tree.leaves(s_w.server.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
@@ -197,15 +199,15 @@ def test_empty_clients_do_not_touch_client_state(problem, mesh, sharded):
     state = alg.init(to_params(theta0), None)
     # c_0 = 7 marks client 0's row; c ≠ 0 so that a padding client (which would compute
     # Option II's c_0 − c + 0) would write a different value there.
-    marker = jax.tree.map(lambda a: a.at[0].set(7.0), state.client_controls)
-    control = jax.tree.map(lambda a: jnp.full_like(a, 0.5), state.control)
-    state = state._replace(client_controls=marker, control=control)
+    marker = jax.tree.map(lambda a: a.at[0].set(7.0), state.clients)
+    control = jax.tree.map(lambda a: jnp.full_like(a, 0.5), state.server.control)
+    state = state._replace(clients=marker, server=state.server._replace(control=control))
     tight, _ = jax.jit(alg.round)(state, build_cohort(clients, ids, perms, 3, 3), None)
     cohort = build_cohort(clients, ids, perms, 3, 5, pad_clients=6)
     with jax.set_mesh(mesh) if sharded else contextlib.nullcontext():
         padded, _ = jax.jit(alg.round)(state, cohort, None)
-    np.testing.assert_array_equal(flat(padded.client_controls)[0], 7.0)
-    np.testing.assert_array_equal(flat(padded.client_controls)[3], 0.0)
+    np.testing.assert_array_equal(flat(padded.clients)[0], 7.0)
+    np.testing.assert_array_equal(flat(padded.clients)[3], 0.0)
     for a, b in zip(jax.tree.leaves(tight), jax.tree.leaves(padded), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 

@@ -127,10 +127,10 @@ def test_yogi_reference_exercises_both_sign_branches():
 @pytest.mark.parametrize("make", [fedadagrad, fedadam, fedyogi, fedamsgrad])
 def test_initial_accumulator_defaults_to_tau_squared_and_can_be_set(make):
     params = {"a": jnp.zeros(3)}
-    state = make(0.1, tau=0.02).init(params)
+    state = make(0.1, tau=0.02).init(params).inner_state  # (η is injected: outside)
     np.testing.assert_allclose(state.v["a"], np.full(3, 0.02**2), rtol=1e-6)
     np.testing.assert_array_equal(state.m["a"], np.zeros(3))
-    state = make(0.1, tau=0.02, initial_accumulator=0.5).init(params)
+    state = make(0.1, tau=0.02, initial_accumulator=0.5).init(params).inner_state
     np.testing.assert_array_equal(state.v["a"], np.full(3, 0.5, np.float32))
     with jax.enable_x64(True):
         rng = np.random.default_rng(1)

@@ -15,10 +15,11 @@ import numpy as np
 import optax
 import pytest
 
-from fedax.algorithms import CohortBatches, FederatedAlgorithm, fedavg, straggler_epochs
+from fedax.algorithms import CohortBatches, FederatedAlgorithm, fedavg
 from fedax.data import ClientData, make_cohort, num_local_steps, sample_clients
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.simulation import Execution, run
+from fedax.simulation.stragglers import straggler_epochs
 
 ONE_DEVICE = Execution("vmap", "scan", 1)
 SIZES = (3, 5, 7, 2, 4, 6, 5, 3)
@@ -189,6 +190,6 @@ def test_fedavg_round_with_stragglers_matches_numpy(drop):
                          train.y[idx], int(e))
         weight = 0.0 if drop and e < EPOCHS else float(len(idx))
         total_w, total_b, total = total_w + weight * w, total_b + weight * b, total + weight
-    got = history.state.params["dense"]
+    got = history.state.server.params["dense"]
     np.testing.assert_allclose(np.asarray(got["kernel"]), total_w / total, atol=2e-6)
     np.testing.assert_allclose(np.asarray(got["bias"]), total_b / total, atol=2e-6)

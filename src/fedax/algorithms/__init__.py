@@ -1,88 +1,199 @@
 """Federated algorithms as ``FederatedAlgorithm(init, round, server_params)``.
 
-``ALGORITHMS`` maps a name to a factory with uniform keyword arguments,
-``factory(loss_fn, *, num_clients, client_lr, **options)``, and ``make`` calls one:
+``ALGORITHMS`` maps a name to an :class:`AlgorithmSpec`: the algorithm's own options with
+their defaults and the server optimizer its name implies, if any. Calling one (or ``make``)
+builds the algorithm with uniform keyword arguments:
 
     alg = make("fedyogi", loss_fn, num_clients=100, client_lr=0.1, server_lr=0.01)
+    alg = make("fedavg", loss_fn, num_clients=100, client_lr=0.1,
+               server_optimizer="momentum", server_lr=1.0, momentum=0.9)  # = fedavgm
 
 ``num_clients`` (the population size) is used by stateful algorithms (SCAFFOLD) and ignored
-by the others; ``options`` are the algorithm's own keyword arguments. Default server
-hyperparameters of the FedOpt entries are illustrative (τ = 1e-3, the authors' recommended
-default; server learning rates in the range of their tuned values); tune them per task.
+by the others. The FedOpt names (``fedadagrad``, ``fedadam``, ``fedyogi``, ``fedamsgrad``,
+``fedavgm``) are FedAvg with the server optimizer of that name from
+``fedax.algorithms.server_optimizers`` (``server_optimizer(name, **hyperparameters)``, one
+spec for all); their default server learning rates are in the range of Reddi et al.'s tuned
+values (tune them per task).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import optax
 
-from fedax.algorithms.base import CohortBatches, FederatedAlgorithm, federated_loss
-from fedax.algorithms.fedavg import FedAvgState, fedavg
+from fedax.algorithms.base import (
+    ClientMessage,
+    CohortBatches,
+    FederatedAlgorithm,
+    RoundPieces,
+    RoundState,
+    cohort_round,
+    compose,
+    federated_loss,
+    init_state,
+)
+from fedax.algorithms.fedavg import ServerState, fedavg
+from fedax.algorithms.fednova import fednova, make_fednova
 from fedax.algorithms.fedprox import fedprox, proximal
 from fedax.algorithms.fedsgd import fedsgd
-from fedax.algorithms.scaffold import ScaffoldState, scaffold
+from fedax.algorithms.scaffold import ScaffoldServer, scaffold
 from fedax.algorithms.server_optimizers import (
+    SERVER_OPTIMIZERS,
     FedAdaptiveState,
     FedAMSGradState,
+    ServerOptimizerError,
     fedadagrad,
     fedadam,
     fedamsgrad,
     fedavgm,
     fedyogi,
+    resolve_server_optimizer,
+    server_learning_rate,
+    server_optimizer,
+    with_server_learning_rate,
 )
-from fedax.algorithms.stragglers import drop_stragglers, straggler_epochs
 from fedax.client import LossFn
 
 AlgorithmFactory = Callable[..., FederatedAlgorithm]
+_make_server_optimizer = server_optimizer  # (shadowed by a keyword below)
 
 
-def _fedavg(loss_fn, *, num_clients, client_lr, server_optimizer=None):
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSpec:
+    """A registered algorithm, called as ``spec(loss_fn, *, num_clients, client_lr,
+    **options)``.
+
+    Attributes:
+      name: the registry name.
+      build: ``build(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator,
+        **options)``, ``server_optimizer`` an optax transform.
+      options: the algorithm's own options (keyword -> default), e.g. FedProx's ``mu``.
+      server_optimizer: the server optimizer the name implies (``fedadam``: FedAvg with
+        ``adam``), or None: any, ``sgd`` (FedAvg's, η = 1) unless chosen.
+      doc: one line: what it is, and the paper.
+    """
+
+    name: str
+    build: Callable[..., FederatedAlgorithm]
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    server_optimizer: str | None = None
+    doc: str = ""
+
+    def server_optimizer_name(self, requested: str | None = None) -> str:
+        """The server optimizer for ``requested`` (a ``SERVER_OPTIMIZERS`` name or None):
+        the implied one, else ``requested``, else ``sgd``.
+
+        Raises:
+          ValueError: ``requested`` differs from the implied one.
+        """
+        if self.server_optimizer is None:
+            return "sgd" if requested is None else requested
+        if requested not in (None, self.server_optimizer):
+            raise ValueError(
+                f"algorithm {self.name!r} is FedAvg with server optimizer"
+                f" {self.server_optimizer!r}, got server optimizer {requested!r}; leave it"
+                f" out, or use algorithm 'fedavg' with server optimizer {requested!r}")
+        return self.server_optimizer
+
+    def __call__(self, loss_fn: LossFn, *, num_clients: int, client_lr: float,
+                 server_optimizer: str | optax.GradientTransformation | None = None,
+                 server_lr: Any = None, aggregator: Any = None,
+                 **options: Any) -> FederatedAlgorithm:
+        """Builds the algorithm.
+
+        Args:
+          server_optimizer: a ``SERVER_OPTIMIZERS`` name (default: the implied one, or
+            ``sgd``), or a ready optax transform (not for the FedOpt names).
+          server_lr: its learning rate η (default: the optimizer's).
+          aggregator: passed on (default: the algorithm's, the weighted mean).
+          **options: the algorithm's own ``options`` and the server optimizer's other
+            hyperparameters (``b1``, ``tau``, ``momentum``, ...).
+
+        Raises:
+          ValueError: an option that applies to neither, naming it and the allowed ones.
+        """
+        own = {**self.options, **{k: options.pop(k) for k in list(options) if k in self.options}}
+        if server_optimizer is not None and not isinstance(server_optimizer, str):
+            if self.server_optimizer is not None:
+                raise ValueError(f"algorithm {self.name!r} is FedAvg with server optimizer"
+                                 f" {self.server_optimizer!r}; pass its name or hyperparameters,"
+                                 " or use algorithm 'fedavg' with this transform")
+            extra = [k for k, v in (("server_lr", server_lr), *options.items()) if v is not None]
+            if extra:
+                raise ValueError(f"algorithm {self.name!r}: {extra[0]!r} does not apply to a"
+                                 " server optimizer given as a transform; allowed: "
+                                 + ", ".join([*self.options, "aggregator"]))
+            transform = server_optimizer
+        else:
+            name = self.server_optimizer_name(server_optimizer)
+            if name not in SERVER_OPTIMIZERS:
+                raise ServerOptimizerError("optimizer", f"unknown server optimizer {name!r};"
+                                           f" allowed: {', '.join(SERVER_OPTIMIZERS)}")
+            hyperparameters = SERVER_OPTIMIZERS[name].hyperparameters
+            for key in options:
+                if key == "lr" or key not in hyperparameters:
+                    allowed = [*self.options, "server_optimizer", "server_lr",
+                               *(h for h in hyperparameters if h != "lr"), "aggregator"]
+                    raise ValueError(
+                        f"algorithm {self.name!r} with server optimizer {name!r} has no option"
+                        f" {key!r}; allowed: {', '.join(allowed)}")
+            transform = _make_server_optimizer(name, lr=server_lr, **options)
+        return self.build(loss_fn, num_clients=num_clients, client_lr=client_lr,
+                          server_optimizer=transform, aggregator=aggregator, **own)
+
+
+def _fedavg(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator):
     del num_clients
-    return fedavg(loss_fn, optax.sgd(client_lr), server_optimizer)
+    return fedavg(loss_fn, optax.sgd(client_lr), server_optimizer, aggregator=aggregator)
 
 
-def _fedsgd(loss_fn, *, num_clients, client_lr, server_optimizer=None):
+def _fedsgd(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator):
     del num_clients
-    return fedsgd(loss_fn, client_lr, server_optimizer)
+    return fedsgd(loss_fn, client_lr, server_optimizer, aggregator=aggregator)
 
 
-def _fedprox(loss_fn, *, num_clients, client_lr, mu=0.01, server_optimizer=None):
+def _fedprox(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator, mu):
     del num_clients
-    return fedprox(loss_fn, optax.sgd(client_lr), mu, server_optimizer)
+    return fedprox(loss_fn, optax.sgd(client_lr), mu, server_optimizer, aggregator=aggregator)
 
 
 def _scaffold(option):
-    def factory(loss_fn, *, num_clients, client_lr, server_optimizer=None, weighting="uniform"):
-        return scaffold(loss_fn, client_lr, num_clients, option, server_optimizer, weighting)
+    def build(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator, weighting):
+        return scaffold(loss_fn, client_lr, num_clients, option, server_optimizer, weighting,
+                        aggregator=aggregator)
 
-    factory.__doc__ = f"SCAFFOLD, Option {option}."
-    return factory
-
-
-def _fedopt(make_server_optimizer, default_lr):
-    def factory(loss_fn, *, num_clients, client_lr, server_lr=default_lr, **server_options):
-        del num_clients
-        server = make_server_optimizer(server_lr, **server_options)
-        return fedavg(loss_fn, optax.sgd(client_lr), server)
-
-    factory.__doc__ = f"FedAvg with server optimizer {make_server_optimizer.__name__}."
-    return factory
+    return build
 
 
-ALGORITHMS: dict[str, AlgorithmFactory] = {
-    "fedavg": _fedavg,
-    "fedsgd": _fedsgd,
-    "fedprox": _fedprox,
-    "scaffold": _scaffold("II"),
-    "scaffold_option1": _scaffold("I"),
-    "fedadagrad": _fedopt(fedadagrad, 0.1),
-    "fedadam": _fedopt(fedadam, 0.01),
-    "fedyogi": _fedopt(fedyogi, 0.01),
-    "fedamsgrad": _fedopt(fedamsgrad, 0.01),
-    "fedavgm": _fedopt(fedavgm, 1.0),
-}
-"""Name -> ``factory(loss_fn, *, num_clients, client_lr, **options)``."""
+_REDDI = "Reddi et al. 2021"
+ALGORITHMS: dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
+    AlgorithmSpec("fedavg", _fedavg, doc="FedAvg (McMahan et al. 2017)"),
+    AlgorithmSpec("fedsgd", _fedsgd, doc="FedSGD, one full-batch gradient a client"
+                  " (McMahan et al. 2017)"),
+    AlgorithmSpec("fedprox", _fedprox, {"mu": 0.01}, doc="FedProx, FedAvg with a proximal"
+                  " term (μ/2)‖w − w_t‖² (Li et al. 2020)"),
+    AlgorithmSpec("scaffold", _scaffold("II"), {"weighting": "uniform"},
+                  doc="SCAFFOLD, Option II (Karimireddy et al. 2020)"),
+    AlgorithmSpec("scaffold_option1", _scaffold("I"), {"weighting": "uniform"},
+                  doc="SCAFFOLD, Option I (Karimireddy et al. 2020)"),
+    AlgorithmSpec("fednova", make_fednova, doc="FedNova, normalized averaging of local"
+                  " SGD updates (Wang et al. 2020)"),
+    AlgorithmSpec("fedadagrad", _fedavg, server_optimizer="adagrad",
+                  doc=f"FedAdagrad, FedAvg with server Adagrad ({_REDDI})"),
+    AlgorithmSpec("fedadam", _fedavg, server_optimizer="adam",
+                  doc=f"FedAdam, FedAvg with server Adam, no bias correction ({_REDDI})"),
+    AlgorithmSpec("fedyogi", _fedavg, server_optimizer="yogi",
+                  doc=f"FedYogi, FedAvg with server Yogi ({_REDDI})"),
+    AlgorithmSpec("fedamsgrad", _fedavg, server_optimizer="amsgrad",
+                  doc=f"FedAMSGrad, FedAvg with server AMSGrad ({_REDDI})"),
+    AlgorithmSpec("fedavgm", _fedavg, server_optimizer="momentum",
+                  doc="FedAvgM, FedAvg with server momentum (Hsu et al. 2019)"),
+)}
+"""Name -> :class:`AlgorithmSpec`, called as ``ALGORITHMS[name](loss_fn, *, num_clients,
+client_lr, **options)``."""
 
 
 def make(
@@ -100,25 +211,37 @@ def make(
 
 __all__ = [
     "ALGORITHMS",
+    "SERVER_OPTIMIZERS",
     "AlgorithmFactory",
+    "AlgorithmSpec",
     "CohortBatches",
     "FedAMSGradState",
     "FedAdaptiveState",
-    "FedAvgState",
+    "ClientMessage",
     "FederatedAlgorithm",
-    "ScaffoldState",
-    "drop_stragglers",
+    "RoundPieces",
+    "RoundState",
+    "ScaffoldServer",
+    "ServerState",
+    "cohort_round",
+    "compose",
+    "init_state",
     "fedadagrad",
     "fedadam",
     "fedamsgrad",
     "fedavg",
     "fedavgm",
+    "fednova",
     "fedprox",
     "fedsgd",
     "fedyogi",
     "federated_loss",
     "make",
     "proximal",
+    "resolve_server_optimizer",
     "scaffold",
-    "straggler_epochs",
+    "server_learning_rate",
+    "server_optimizer",
+    "ServerOptimizerError",
+    "with_server_learning_rate",
 ]

@@ -1,4 +1,26 @@
-"""The algorithm interface: ``FederatedAlgorithm(init, round, server_params)``."""
+"""The algorithm interface: a round in pieces, and ``FederatedAlgorithm`` their composition.
+
+An algorithm declares ``RoundPieces`` (DESIGN.md, "A round in pieces"):
+
+* ``server_init(params) -> server_state`` and ``server_params(server_state) -> params``;
+* ``payload(server_state)``: what the server broadcasts (the model; SCAFFOLD adds c);
+* ``client_update(payload, client_state, batches, num_examples) -> ClientMessage``: one
+  client's computation: the update to aggregate, its weight, per-client statistics (the
+  local loss), values to sum (SCAFFOLD's Δc_i) and its new per-client state;
+* ``aggregator``: how the server combines the updates (``fedax.aggregators``);
+* ``server_update(server_state, aggregate, sums) -> (server_state, metrics)``.
+
+``compose`` turns them into ``FederatedAlgorithm(init, round, server_params)``: one
+federated program (broadcast, ``map_clients``, the finite check, the aggregator, the server
+update), so the simulator compiles it once and FAD differentiates it end to end. The same
+pieces are what a networked or asynchronous runtime calls one at a time.
+
+Per-client state (``client_state(params) -> one client's initial state``) belongs to whoever
+runs the algorithm. ``round`` keeps it in a ``[num_clients, ...]`` table in its state,
+gathered and scattered by ``cohort.client_ids``; ``cohort_round`` takes the cohort's states
+as an argument and returns the new ones, for a runtime that keeps them elsewhere (the
+population runner's host store, a real client's disk). The algorithm never knows which.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from fedax import federated as fed
+from fedax.aggregators import Aggregator, aggregate, mean
 from fedax.client import Batches, LossFn, decoded
 
 
@@ -35,11 +58,14 @@ class FederatedAlgorithm(NamedTuple):
       round: ``round(state, cohort: CohortBatches, key) -> (state, metrics)``; written with
         the placement primitives, so it jit-compiles to one program and is differentiable.
       server_params: ``server_params(state) -> params``, the model to evaluate.
+      pieces: the ``RoundPieces`` ``round`` is composed of (None for a wrapper such as a
+        hypergradient learner whose round is not a plain composition).
     """
 
     init: Callable[[Any, jax.Array], Any]
     round: Callable[[Any, CohortBatches, jax.Array], tuple[Any, dict[str, jax.Array]]]
     server_params: Callable[[Any], Any]
+    pieces: RoundPieces | None = None
 
 
 def client_mean_loss(loss_fn: LossFn, params: Any, batches: Batches) -> jax.Array:
@@ -117,3 +143,202 @@ def accept_finite(message: Any, weights: jax.Array, num_examples: jax.Array) -> 
     accepted = jnp.where(finite, weights, 0)
     bad = jnp.logical_and(~finite, num_examples > 0).astype(jnp.int32)
     return Accepted(accepted, finite, fed.sum(bad))
+
+
+# ----------------------------------------------------------------------- a round in pieces
+
+
+class ClientMessage(NamedTuple):
+    """What one client returns from ``client_update`` (inside ``map_clients``: one client).
+
+    Attributes:
+      update: the value to aggregate (a model delta), through the aggregator.
+      weight: its aggregation weight (n_k for FedAvg; 0 counts for nothing).
+      stats: per-client scalars; each round metric of that name is their n_k-weighted mean
+        over the accepted clients (e.g. ``train_loss``, ``local_steps``).
+      sums: values the server needs summed over the accepted clients (SCAFFOLD's Δc_i);
+        ``()`` for none.
+      client_state: the client's new per-client state (None without one).
+    """
+
+    update: Any
+    weight: jax.Array
+    stats: dict[str, jax.Array]
+    sums: Any = ()
+    client_state: Any = None
+
+
+class RoundPieces(NamedTuple):
+    """An algorithm's pieces (see the module docstring for each signature).
+
+    Attributes:
+      server_init: ``server_init(params) -> server_state``.
+      payload: ``payload(server_state) -> pytree`` broadcast to the cohort.
+      client_update: ``client_update(payload, client_state, batches, num_examples) ->
+        ClientMessage`` for one client.
+      server_update: ``server_update(server_state, aggregate, sums) -> (server_state,
+        metrics)``.
+      server_params: ``server_params(server_state) -> params``.
+      aggregator: a complete ``fedax.aggregators.Aggregator``; its ``init`` gets the params
+        as template.
+      client_state: ``client_state(params) -> one client's initial state``, or None.
+      reweigh: None, or ``reweigh(weights, stats) -> weights`` on client-placed ``[C]``
+        arrays, written with the placement primitives (learned client weights).
+    """
+
+    server_init: Callable[[Any], Any]
+    payload: Callable[[Any], Any]
+    client_update: Callable[..., ClientMessage]
+    server_update: Callable[[Any, Any, Any], tuple[Any, dict[str, jax.Array]]]
+    server_params: Callable[[Any], Any]
+    aggregator: Aggregator
+    client_state: Callable[[Any], Any] | None = None
+    reweigh: Callable[[jax.Array, dict[str, jax.Array]], jax.Array] | None = None
+
+
+class RoundState(NamedTuple):
+    """The state of a composed algorithm.
+
+    Attributes:
+      server: the algorithm's server state (``server_params(server)`` is the model).
+      aggregator: the aggregator's state.
+      clients: per-client state as a table with leaves ``[num_clients, ...]`` (``round``),
+        or None (no per-client state, or kept by the runtime: ``cohort_round``).
+      round: rounds run (int32).
+    """
+
+    server: Any
+    aggregator: Any
+    clients: Any
+    round: jax.Array
+
+
+def default_aggregator(aggregator: Aggregator | None) -> Aggregator:
+    """``aggregator``, or the weighted mean; a part without a reduction is an error."""
+    aggregator = mean() if aggregator is None else aggregator
+    if not isinstance(aggregator, Aggregator) or aggregator.reduce is None:
+        raise ValueError(
+            "aggregator must be a complete fedax.aggregators.Aggregator (with a reduction), "
+            f"got {aggregator!r}; chain stages with one, e.g. chain(clip_norm(1.0), mean())."
+        )
+    return aggregator
+
+
+def init_state(pieces: RoundPieces, params: Any, num_clients: int | None = None) -> RoundState:
+    """The initial ``RoundState``; with ``num_clients`` and per-client state, a table of
+    ``num_clients`` rows (every client starts at ``client_state(params)``)."""
+    clients = None
+    if pieces.client_state is not None and num_clients is not None:
+        one = pieces.client_state(params)
+        clients = jax.tree.map(
+            lambda a: jnp.broadcast_to(jnp.asarray(a), (num_clients, *jnp.shape(a))).copy(), one)
+    return RoundState(pieces.server_init(params), pieces.aggregator.init(params), clients,
+                      jnp.zeros((), jnp.int32))
+
+
+def _merge(*dicts: dict[str, Any]) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for d in dicts:
+        clash = set(merged) & set(d)
+        if clash:
+            raise ValueError(f"a round reports the metric(s) {sorted(clash)} twice.")
+        merged.update(d)
+    return merged
+
+
+def cohort_round(
+    pieces: RoundPieces, state: RoundState, cohort: CohortBatches, key: jax.Array,
+    client_states: Any = None,
+) -> tuple[RoundState, dict[str, jax.Array], Any, jax.Array]:
+    """One round with the cohort's per-client states given (leaves ``[C, ...]``).
+
+    Returns ``(state, metrics, client_states, written)``: the clients' new states, and
+    ``written [C]`` bool, the clients whose new state counts (real, n_k > 0, and accepted);
+    the others' must be left as they were. ``state.clients`` passes through untouched.
+    A client whose message is not finite is left out of everything and counted in
+    ``rejected_clients`` (``accept_finite``).
+    """
+    num_clients = cohort.num_examples.shape[0]
+    at_clients = fed.broadcast(pieces.payload(state.server), num_clients)
+    if pieces.client_state is None:
+        message = fed.map_clients(
+            lambda p, b, n: pieces.client_update(p, None, b, n),
+            at_clients, cohort.batches, cohort.num_examples)
+    else:
+        message = fed.map_clients(
+            pieces.client_update, at_clients, client_states, cohort.batches,
+            cohort.num_examples)
+    weights = message.weight
+    if pieces.reweigh is not None:
+        weights = pieces.reweigh(weights, message.stats)
+    accepted = accept_finite(
+        (message.update, message.stats, message.sums, message.client_state), weights,
+        cohort.num_examples)
+    value, aggregator_state, aggregator_metrics = aggregate(
+        pieces.aggregator, keep_clients(message.update, accepted.finite), accepted.weights,
+        state.aggregator, key, keep=accepted.finite)
+    sums = message.sums
+    if jax.tree.leaves(sums):
+        sums = fed.sum(keep_clients(sums, accepted.finite))
+    server, server_metrics = pieces.server_update(state.server, value, sums)
+    counted = jnp.where(accepted.finite, cohort.num_examples, 0.0)
+    stats = {name: fed.weighted_mean(s, counted) for name, s in message.stats.items()}
+    metrics = _merge(stats, {"rejected_clients": accepted.rejected}, aggregator_metrics,
+                     server_metrics)
+    written = jnp.logical_and(cohort.num_examples > 0, accepted.finite)
+    new_state = RoundState(server, aggregator_state, state.clients, state.round + 1)
+    return new_state, metrics, message.client_state, written
+
+
+def _scatter_rows(table: Any, rows: jax.Array, values: Any) -> Any:
+    """``table[rows] = values`` leafwise; rows out of range are dropped.
+
+    ``values`` (and ``rows``, which depend on them) come out of ``map_clients``, so under an
+    explicitly sharded ``clients`` mesh axis they are sharded over it while the table is
+    not: they are first resharded to the table's (replicated) layout, as a scatter of mixed
+    layouts is an error.
+    """
+
+    def like(a, template):
+        if any(axis is not None for axis in jax.typeof(a).sharding.spec):
+            spec = jax.typeof(template).sharding.spec
+            a = jax.sharding.reshard(a, jax.sharding.PartitionSpec(*spec[:a.ndim]))
+        return a
+
+    def scatter(column, new):
+        return column.at[like(rows, column)].set(like(new, column), mode="drop")
+
+    return jax.tree.map(scatter, table, values)
+
+
+def compose(pieces: RoundPieces, num_clients: int | None = None) -> FederatedAlgorithm:
+    """``FederatedAlgorithm`` from ``pieces``; with per-client state, ``num_clients`` is the
+    size of the population whose table ``round`` keeps (``cohort.client_ids`` index it; the
+    real clients of a cohort must have distinct ids, and padding clients, n_k = 0, are never
+    written)."""
+    has_clients = pieces.client_state is not None
+    if has_clients and (isinstance(num_clients, bool) or not isinstance(num_clients, int)
+                        or num_clients < 1):
+        raise ValueError(f"num_clients must be a positive int, got {num_clients!r}.")
+
+    def init(params, key):
+        del key
+        return init_state(pieces, params, num_clients if has_clients else None)
+
+    def round_fn(state: RoundState, cohort: CohortBatches, key):
+        if not has_clients:
+            state, metrics, _, _ = cohort_round(pieces, state, cohort, key)
+            return state, metrics
+        if state.clients is None:
+            raise ValueError(
+                "this state has no per-client table (made with init_state(pieces, params)): "
+                "run it with cohort_round and the cohort's client states.")
+        ids = cohort.client_ids
+        gathered = jax.tree.map(lambda column: column[ids], state.clients)
+        state, metrics, new_states, written = cohort_round(pieces, state, cohort, key,
+                                                           gathered)
+        rows = jnp.where(written, ids, num_clients)  # out of range: dropped
+        return state._replace(clients=_scatter_rows(state.clients, rows, new_states)), metrics
+
+    return FederatedAlgorithm(init, round_fn, lambda state: pieces.server_params(state.server),
+                              pieces)

@@ -23,15 +23,38 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedax import federated as fed
-from fedax.algorithms.base import CohortBatches, FederatedAlgorithm, accept_finite
+from fedax.aggregators import Aggregator
+from fedax.algorithms.base import (
+    ClientMessage,
+    FederatedAlgorithm,
+    RoundPieces,
+    compose,
+    default_aggregator,
+)
 from fedax.client import Batches, LossFn, local_train
 
 
-class FedAvgState(NamedTuple):
+class ServerState(NamedTuple):
+    """The server state of FedAvg-style algorithms: the model and its optimizer state."""
+
     params: Any
-    server_opt_state: Any
-    round: jax.Array
+    opt_state: Any
+
+
+def server_sgd_pieces(server_optimizer: optax.GradientTransformation):
+    """``server_init`` and ``server_update`` shared by FedAvg and FedSGD: apply
+    ``server_optimizer`` to the aggregate, the pseudo-gradient."""
+
+    def server_init(params):
+        return ServerState(params, server_optimizer.init(params))
+
+    def server_update(server: ServerState, pseudo_grad, sums):
+        del sums
+        updates, opt_state = server_optimizer.update(pseudo_grad, server.opt_state,
+                                                     server.params)
+        return ServerState(optax.apply_updates(server.params, updates), opt_state), {}
+
+    return server_init, server_update
 
 
 def fedavg(
@@ -40,6 +63,7 @@ def fedavg(
     server_optimizer: optax.GradientTransformation | None = None,
     client_objective: Callable[[LossFn, Any], LossFn] | None = None,
     client_weights: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+    aggregator: Aggregator | None = None,
 ) -> FederatedAlgorithm:
     """FedAvg with an optax client optimizer and an optax server optimizer.
 
@@ -57,49 +81,39 @@ def fedavg(
         n_k (the paper's). It must be written with the placement primitives (e.g.
         ``map_clients`` with a broadcast parameter) and give weight 0 to clients with
         n_k = 0 (padding). ``fedax.hyper.learned_client_weights`` learns such a function.
+      aggregator: how the server combines the clients' deltas w_t − w^k_{t+1}; default
+        ``fedax.aggregators.mean()``, the weighted mean above.
 
     Returns:
-      A ``FederatedAlgorithm``. Its round metrics are ``train_loss`` (n_k-weighted mean of
-      the accepted clients' mean local objective, i.e. ``loss_fn`` unless
-      ``client_objective`` is given), ``local_steps`` (n_k-weighted mean of their real local
-      steps) and ``rejected_clients`` (clients whose update or loss was not finite: they are
-      left out of the aggregate; see ``accept_finite``).
+      A ``FederatedAlgorithm`` (state ``RoundState`` with server ``ServerState``). Its
+      round metrics are ``train_loss`` (n_k-weighted mean of the accepted clients' mean
+      local objective, i.e. ``loss_fn`` unless ``client_objective`` is given),
+      ``local_steps`` (n_k-weighted mean of their real local steps), ``rejected_clients``
+      (clients whose update or loss was not finite: they are left out of the aggregate; see
+      ``accept_finite``) and the aggregator's metrics.
     """
-    server_optimizer = server_optimizer or optax.sgd(1.0)
+    server_init, server_update = server_sgd_pieces(server_optimizer or optax.sgd(1.0))
 
-    def init(params, key):
-        del key
-        return FedAvgState(params, server_optimizer.init(params), jnp.zeros((), jnp.int32))
-
-    def client_update(params, batches: Batches):
+    def client_update(params, client_state, batches: Batches, num_examples):
+        del client_state
         objective = loss_fn if client_objective is None else client_objective(loss_fn, params)
         result = local_train(objective, params, batches, client_optimizer)
         delta = jax.tree.map(jnp.subtract, params, result.params)
-        return delta, result.loss, result.num_steps
+        stats = {"train_loss": result.loss, "local_steps": result.num_steps}
+        return ClientMessage(delta, num_examples, stats)
 
-    def round_fn(state: FedAvgState, cohort: CohortBatches, key):
-        del key
-        num_clients = cohort.num_examples.shape[0]
-        at_clients = fed.broadcast(state.params, num_clients)
-        deltas, losses, steps = fed.map_clients(client_update, at_clients, cohort.batches)
-        weights = (
-            cohort.num_examples
-            if client_weights is None
-            else client_weights(cohort.num_examples, losses)
-        )
-        # A client whose update (or loss) is not finite is left out, and counted.
-        accepted = accept_finite((deltas, losses), weights, cohort.num_examples)
-        pseudo_grad = fed.weighted_mean(deltas, accepted.weights)
-        updates, opt_state = server_optimizer.update(
-            pseudo_grad, state.server_opt_state, state.params
-        )
-        params = optax.apply_updates(state.params, updates)
-        counted = jnp.where(accepted.finite, cohort.num_examples, 0.0)
-        metrics = {
-            "train_loss": fed.weighted_mean(losses, counted),
-            "local_steps": fed.weighted_mean(steps, counted),
-            "rejected_clients": accepted.rejected,
-        }
-        return FedAvgState(params, opt_state, state.round + 1), metrics
+    reweigh = None
+    if client_weights is not None:
+        def reweigh(weights, stats):
+            return client_weights(weights, stats["train_loss"])
 
-    return FederatedAlgorithm(init, round_fn, lambda state: state.params)
+    pieces = RoundPieces(
+        server_init=server_init,
+        payload=lambda server: server.params,
+        client_update=client_update,
+        server_update=server_update,
+        server_params=lambda server: server.params,
+        aggregator=default_aggregator(aggregator),
+        reweigh=reweigh,
+    )
+    return compose(pieces)

@@ -16,7 +16,7 @@ et al. scheme); we do the latter, FedAvg's n_k-weighted mean.
 Stragglers (the paper's "partial work"): a straggler that runs fewer epochs is a client whose
 cohort masks hold fewer real steps; its masked-out steps are skipped, so FedProx keeps its
 partial update at its full weight n_k. FedAvg in the paper *drops* stragglers instead, i.e.
-gives them weight 0: see ``fedax.algorithms.stragglers``.
+gives them weight 0: see ``fedax.simulation.stragglers``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedax.aggregators import Aggregator
 from fedax.algorithms.base import FederatedAlgorithm
 from fedax.algorithms.fedavg import fedavg
 from fedax.client import LossFn
@@ -62,6 +63,7 @@ def fedprox(
     client_optimizer: optax.GradientTransformation,
     mu: float,
     server_optimizer: optax.GradientTransformation | None = None,
+    aggregator: Aggregator | None = None,
 ) -> FederatedAlgorithm:
     """FedProx: FedAvg with the proximal local objective F_k(w) + (μ/2)‖w − w_t‖².
 
@@ -70,9 +72,11 @@ def fedprox(
       client_optimizer: the local solver, e.g. ``optax.sgd(client_lr)`` (the paper's).
       mu: proximal coefficient μ ≥ 0 (the paper tries 0.001, 0.01, 0.1, 1).
       server_optimizer: applied to the pseudo-gradient; default ``optax.sgd(1.0)``.
+      aggregator: combines the clients' deltas; default the n_k-weighted mean.
 
     Returns:
-      A ``FederatedAlgorithm`` with FedAvg's state (``FedAvgState``) and metrics; note that
+      A ``FederatedAlgorithm`` with FedAvg's state and metrics; note that
       ``train_loss`` is the mean local *objective* h_k, proximal term included.
     """
-    return fedavg(loss_fn, client_optimizer, server_optimizer, client_objective=proximal(mu))
+    return fedavg(loss_fn, client_optimizer, server_optimizer, client_objective=proximal(mu),
+                  aggregator=aggregator)

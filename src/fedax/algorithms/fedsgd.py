@@ -19,14 +19,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedax import federated as fed
+from fedax.aggregators import Aggregator
 from fedax.algorithms.base import (
-    CohortBatches,
+    ClientMessage,
     FederatedAlgorithm,
-    accept_finite,
+    RoundPieces,
     client_mean_loss,
+    compose,
+    default_aggregator,
 )
-from fedax.algorithms.fedavg import FedAvgState
+from fedax.algorithms.fedavg import server_sgd_pieces
 from fedax.client import LossFn
 
 
@@ -34,36 +36,30 @@ def fedsgd(
     loss_fn: LossFn,
     client_lr: float,
     server_optimizer: optax.GradientTransformation | None = None,
+    aggregator: Aggregator | None = None,
 ) -> FederatedAlgorithm:
     """FedSGD. The cohort must hold each client's data as full batches (B = ∞, E = 1):
-    every real step of a client contributes the gradient of its loss on that batch."""
-    server_optimizer = server_optimizer or optax.sgd(1.0)
-
-    def init(params, key):
-        del key
-        return FedAvgState(params, server_optimizer.init(params), jnp.zeros((), jnp.int32))
-
+    every real step of a client contributes the gradient of its loss on that batch. The
+    aggregator (default: the n_k-weighted mean) combines the clients' gradients."""
+    server_init, sgd_update = server_sgd_pieces(server_optimizer or optax.sgd(1.0))
     client_grad = jax.value_and_grad(functools.partial(client_mean_loss, loss_fn))
 
-    def round_fn(state: FedAvgState, cohort: CohortBatches, key):
-        del key
-        num_clients = cohort.num_examples.shape[0]
-        losses, grads = fed.map_clients(
-            client_grad, fed.broadcast(state.params, num_clients), cohort.batches
-        )
-        accepted = accept_finite((grads, losses), cohort.num_examples, cohort.num_examples)
-        pseudo_grad = jax.tree.map(
-            lambda g: client_lr * g, fed.weighted_mean(grads, accepted.weights)
-        )
-        updates, opt_state = server_optimizer.update(
-            pseudo_grad, state.server_opt_state, state.params
-        )
-        params = optax.apply_updates(state.params, updates)
-        metrics = {
-            "train_loss": fed.weighted_mean(losses, accepted.weights),
-            "local_steps": jnp.ones((), jnp.float32),
-            "rejected_clients": accepted.rejected,
-        }
-        return FedAvgState(params, opt_state, state.round + 1), metrics
+    def client_update(params, client_state, batches, num_examples):
+        del client_state
+        loss, grad = client_grad(params, batches)
+        return ClientMessage(grad, num_examples, {"train_loss": loss})
 
-    return FederatedAlgorithm(init, round_fn, lambda state: state.params)
+    def server_update(server, mean_grad, sums):
+        pseudo_grad = jax.tree.map(lambda g: client_lr * g, mean_grad)
+        server, metrics = sgd_update(server, pseudo_grad, sums)
+        return server, dict(metrics, local_steps=jnp.ones((), jnp.float32))
+
+    pieces = RoundPieces(
+        server_init=server_init,
+        payload=lambda server: server.params,
+        client_update=client_update,
+        server_update=server_update,
+        server_params=lambda server: server.params,
+        aggregator=default_aggregator(aggregator),
+    )
+    return compose(pieces)

@@ -30,18 +30,12 @@ Implementation notes:
 * **Server step** through an optax server optimizer on the pseudo-gradient x − mean(y_i)
   = −Δy, as in FedAvg: ``optax.sgd(η_g)`` (default η_g = 1) is the paper's x ← x + η_g Δy, and
   FedOpt optimizers (``fedax.algorithms.server_optimizers``) compose.
-* **Per-client state** c_i lives in the algorithm state for the whole population, as a pytree
-  with leaves ``[num_clients, ...]`` (N times the model size). Each round gathers the cohort's
-  rows by ``cohort.client_ids`` and scatters c_i⁺ back for the clients with
-  ``num_examples > 0`` only (the runner's padding clients carry id 0 and must not overwrite
-  client 0). The real clients of a cohort must have distinct ids.
-* **Cohort slots** (``cohort_slots=C``) for populations too large for that table: the state
-  then holds only C rows, slot j being the c_i of the cohort's j-th client (padding
-  included), read and written in place; ``cohort.client_ids`` are not used. The caller keeps
-  the population's c_i elsewhere and fills the slots before each round, reading c_i⁺ back
-  after (``fedax.simulation.population``: a host-memory or memory-mapped
-  ``ClientStateStore``, so only the cohort's rows move). Same update code, same numbers; the
-  c-update still divides by N = ``num_clients``.
+* **Per-client state**: c_i is SCAFFOLD's declared per-client state (``client_state``,
+  zeros like the model). Whoever runs the algorithm keeps it: ``round`` in a
+  ``[num_clients, ...]`` table in its state, gathered and scattered by
+  ``cohort.client_ids`` (written back only for real, accepted clients); the population
+  runner in a host or memory-mapped store through ``cohort_round``
+  (``fedax.algorithms.base``). The c-update divides by N = ``num_clients`` either way.
 * The client optimizer is plain SGD with ``client_lr`` (Option II's formula assumes it).
 
 Communication per round is twice FedAvg's, as in the paper: (x, c) down, (Δy_i, Δc_i) up.
@@ -55,54 +49,27 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedax import federated as fed
-from fedax.algorithms.base import CohortBatches, FederatedAlgorithm, accept_finite, keep_clients
-from fedax.client import Batches, LossFn, current_steps_strategy, local_train
+from fedax.aggregators import Aggregator
+from fedax.algorithms.base import (
+    ClientMessage,
+    FederatedAlgorithm,
+    RoundPieces,
+    compose,
+    default_aggregator,
+)
+from fedax.client import Batches, LossFn, local_train, mean_gradient
 
 
-class ScaffoldState(NamedTuple):
-    """SCAFFOLD's state.
-
-    Attributes:
-      params: the server model x.
-      server_opt_state: the server optimizer's state.
-      control: the server control variate c (shaped like ``params``).
-      client_controls: every client's c_i, leaves ``[num_clients, *param.shape]``; with
-        ``cohort_slots=C``, the cohort's c_i only, leaves ``[C, *param.shape]`` (slot j is
-        the cohort's j-th client).
-      round: the number of rounds run.
-    """
+class ScaffoldServer(NamedTuple):
+    """SCAFFOLD's server state: the model x, its optimizer state and the control c."""
 
     params: Any
-    server_opt_state: Any
+    opt_state: Any
     control: Any
-    client_controls: Any
-    round: jax.Array
 
 
 def _vdot(a: Any, b: Any) -> jax.Array:
     return sum(jax.tree.leaves(jax.tree.map(lambda u, v: jnp.sum(u * v), a, b)))
-
-
-def _scatter_rows(population: Any, rows: jax.Array, values: Any) -> Any:
-    """``population[rows] = values`` leafwise; rows out of range are dropped.
-
-    ``values`` (and ``rows``, which depend on them) come out of ``map_clients``, so under an
-    explicitly sharded ``clients`` mesh axis they are sharded over it while the population
-    table is not: they are first resharded to the table's (replicated) layout, as a scatter
-    of mixed layouts is an error.
-    """
-
-    def like(a, template):
-        if any(axis is not None for axis in jax.typeof(a).sharding.spec):
-            spec = jax.typeof(template).sharding.spec
-            a = jax.sharding.reshard(a, jax.sharding.PartitionSpec(*spec[:a.ndim]))
-        return a
-
-    def scatter(pop, new):
-        return pop.at[like(rows, pop)].set(like(new, pop), mode="drop")
-
-    return jax.tree.map(scatter, population, values)
 
 
 def scaffold(
@@ -112,9 +79,9 @@ def scaffold(
     option: Literal["I", "II"] = "II",
     server_optimizer: optax.GradientTransformation | None = None,
     weighting: Literal["uniform", "num_examples"] = "uniform",
-    cohort_slots: int | None = None,
+    aggregator: Aggregator | None = None,
 ) -> FederatedAlgorithm:
-    """SCAFFOLD, vectorized over the cohort, with the population's c_i in the state.
+    """SCAFFOLD, vectorized over the cohort, with per-client control variates c_i.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> scalar``, the masked mean loss of one batch.
@@ -126,16 +93,14 @@ def scaffold(
         ``optax.sgd(1.0)``, i.e. η_g = 1. ``optax.sgd(η_g)`` is the paper's global step.
       weighting: ``"uniform"`` (the paper's 1/|S| mean of y_i − x) or ``"num_examples"``
         (n_k-weighted, as FedAvg).
-      cohort_slots: None (default): the state holds all ``num_clients`` c_i, gathered and
-        scattered by ``cohort.client_ids``. An int C: the state holds C slots, one per cohort
-        position (every cohort must have exactly C clients, padding included), which the
-        caller fills with the cohort's c_i before each round and reads back after (see the
-        module notes; ``fedax.simulation.population.run_population`` does this).
+      aggregator: combines the clients' x − y_i with those weights; default the weighted
+        mean. (Δc_i is summed exactly, as the paper's c-update needs.)
 
     Returns:
-      A ``FederatedAlgorithm`` with ``ScaffoldState``. Metrics, as FedAvg's: ``train_loss``
-      (n_k-weighted mean of the clients' mean local loss ``loss_fn``, without the correction)
-      and ``local_steps`` (n_k-weighted mean of real local steps).
+      A ``FederatedAlgorithm`` (state ``RoundState``: server ``ScaffoldServer``, clients the
+      c_i table). Metrics, as FedAvg's: ``train_loss`` (n_k-weighted mean of the clients'
+      mean local loss ``loss_fn``, without the correction), ``local_steps`` (n_k-weighted
+      mean of real local steps) and ``rejected_clients``.
     """
     if option not in ("I", "II"):
         raise ValueError(f"SCAFFOLD option must be 'I' or 'II', got {option!r}.")
@@ -145,46 +110,16 @@ def scaffold(
         )
     if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
         raise ValueError(f"num_clients must be a positive int, got {num_clients!r}.")
-    if cohort_slots is not None and (
-        isinstance(cohort_slots, bool) or not isinstance(cohort_slots, int) or cohort_slots < 1
-    ):
-        raise ValueError(f"cohort_slots must be None or a positive int, got {cohort_slots!r}.")
-    # Rows of state.client_controls: the population, or one slot per cohort position.
-    table_rows = num_clients if cohort_slots is None else cohort_slots
     server_optimizer = server_optimizer or optax.sgd(1.0)
     client_optimizer = optax.sgd(client_lr)
 
-    def init(params, key):
-        del key
+    def server_init(params):
         control = jax.tree.map(jnp.zeros_like, params)
-        client_controls = jax.tree.map(
-            lambda p: jnp.zeros((table_rows, *jnp.shape(p)), jnp.result_type(p)), params
-        )
-        return ScaffoldState(
-            params,
-            server_optimizer.init(params),
-            control,
-            client_controls,
-            jnp.zeros((), jnp.int32),
-        )
+        return ScaffoldServer(params, server_optimizer.init(params), control)
 
-    def full_gradient(x, batches: Batches):
-        """Option I: mean gradient at x over the client's real examples."""
-
-        def step(acc, batch: Batches):
-            m = jnp.sum(batch.mask)
-            g = jax.grad(loss_fn)(x, batch)
-            new = jax.tree.map(lambda a, gi: a + m.astype(gi.dtype) * gi, acc, g)
-            return jax.tree.map(lambda n, a: jnp.where(m > 0, n, a), new, acc), m
-
-        zeros = jax.tree.map(jnp.zeros_like, x)
-        num_steps = batches.mask.shape[0]
-        unroll = num_steps if current_steps_strategy() == "unroll" else 1
-        total, ms = jax.lax.scan(step, zeros, batches, unroll=max(unroll, 1))
-        count = jnp.maximum(jnp.sum(ms), 1.0)
-        return jax.tree.map(lambda t: t / count.astype(t.dtype), total)
-
-    def client_update(x, c, c_i, active, batches: Batches):
+    def client_update(payload, c_i, batches: Batches, num_examples):
+        x, c = payload
+        active = num_examples > 0
         correction = jax.tree.map(jnp.subtract, c, c_i)  # c − c_i
 
         def corrected_loss(y, batch):
@@ -195,7 +130,7 @@ def scaffold(
         result = local_train(corrected_loss, x, batches, client_optimizer)
         y = result.params
         if option == "I":
-            c_plus = full_gradient(x, batches)
+            c_plus = mean_gradient(loss_fn, x, batches)
         else:
             scale = jnp.maximum(result.num_steps, 1.0) * client_lr
             c_plus = jax.tree.map(
@@ -210,56 +145,28 @@ def scaffold(
         delta_c = jax.tree.map(
             lambda new, old: jnp.where(active, new - old, jnp.zeros_like(old)), c_plus, c_i
         )
-        return delta_y, delta_c, c_plus, result.loss, result.num_steps
+        weight = active.astype(num_examples.dtype) if weighting == "uniform" else num_examples
+        stats = {"train_loss": result.loss, "local_steps": result.num_steps}
+        return ClientMessage(delta_y, weight, stats, delta_c, c_plus)
 
-    def round_fn(state: ScaffoldState, cohort: CohortBatches, key):
-        del key
-        size = cohort.num_examples.shape[0]
-        active = cohort.num_examples > 0
-        if cohort_slots is None:
-            ids = cohort.client_ids
-        elif size == cohort_slots:
-            ids = jnp.arange(size, dtype=jnp.int32)  # slot j holds the j-th client's c_i
-        else:
-            raise ValueError(
-                f"SCAFFOLD with cohort_slots={cohort_slots} got a cohort of {size} clients."
-            )
-        c_i = jax.tree.map(lambda pop: pop[ids], state.client_controls)
-        deltas, delta_c, c_plus, losses, steps = fed.map_clients(
-            client_update,
-            fed.broadcast(state.params, size),
-            fed.broadcast(state.control, size),
-            c_i,
-            active,
-            cohort.batches,
-        )
-        if weighting == "uniform":
-            weights = active.astype(cohort.num_examples.dtype)
-        else:
-            weights = cohort.num_examples
-        # A client whose update, control or loss is not finite is left out, and counted:
-        # it changes neither the model, nor c, nor its own c_i.
-        accepted = accept_finite((deltas, c_plus, losses), weights, cohort.num_examples)
-        pseudo_grad = fed.weighted_mean(deltas, accepted.weights)
-        updates, opt_state = server_optimizer.update(
-            pseudo_grad, state.server_opt_state, state.params
-        )
-        params = optax.apply_updates(state.params, updates)
+    def server_update(server: ScaffoldServer, pseudo_grad, delta_c_sum):
+        updates, opt_state = server_optimizer.update(pseudo_grad, server.opt_state,
+                                                     server.params)
+        params = optax.apply_updates(server.params, updates)
         control = jax.tree.map(
             lambda cs, dc: cs + dc / jnp.asarray(num_clients, dc.dtype),
-            state.control,
-            fed.sum(keep_clients(delta_c, accepted.finite)),
+            server.control,
+            delta_c_sum,
         )
-        # Scatter c_i⁺ back; non-participants get an out-of-range index and are dropped.
-        rows = jnp.where(active & accepted.finite, ids, table_rows)
-        client_controls = _scatter_rows(state.client_controls, rows, c_plus)
-        counted = jnp.where(accepted.finite, cohort.num_examples, 0.0)
-        metrics = {
-            "train_loss": fed.weighted_mean(losses, counted),
-            "local_steps": fed.weighted_mean(steps, counted),
-            "rejected_clients": accepted.rejected,
-        }
-        new_state = ScaffoldState(params, opt_state, control, client_controls, state.round + 1)
-        return new_state, metrics
+        return ScaffoldServer(params, opt_state, control), {}
 
-    return FederatedAlgorithm(init, round_fn, lambda state: state.params)
+    pieces = RoundPieces(
+        server_init=server_init,
+        payload=lambda server: (server.params, server.control),
+        client_update=client_update,
+        server_update=server_update,
+        server_params=lambda server: server.params,
+        aggregator=default_aggregator(aggregator),
+        client_state=lambda params: jax.tree.map(jnp.zeros_like, params),
+    )
+    return compose(pieces, num_clients)

@@ -1,16 +1,20 @@
-"""Local training on a client: masked steps with an optax optimizer."""
+"""Local training on a client: masked steps with an optax optimizer.
+
+``ByteCoded`` and ``BYTE_SCALE_TABLE`` live in ``fedax.data`` (``fedax.data.byte_coded``);
+they are re-exported here because ``Batches.x`` may be ``ByteCoded``.
+"""
 
 from fedax.client.local_training import (
-    BYTE_SCALE_TABLE,
     Batches,
-    ByteCoded,
     LocalResult,
     LossFn,
     current_steps_strategy,
     decoded,
     local_train,
+    mean_gradient,
     steps_strategy,
 )
+from fedax.data.byte_coded import BYTE_SCALE_TABLE, ByteCoded
 
 __all__ = [
     "BYTE_SCALE_TABLE",
@@ -21,5 +25,6 @@ __all__ = [
     "current_steps_strategy",
     "decoded",
     "local_train",
+    "mean_gradient",
     "steps_strategy",
 ]

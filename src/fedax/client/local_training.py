@@ -20,27 +20,12 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
+
+from fedax.data.byte_coded import ByteCoded
 
 StepsStrategy = Literal["scan", "unroll"]
 _STEPS = jax.make_user_context(default_value="scan")  # jit-cache sensitive
-
-
-# Code k -> float32(k) / float32(255): 8-bit image data as the loaders scale it.
-BYTE_SCALE_TABLE = np.arange(256, dtype=np.float32) / np.float32(255.0)
-
-
-class ByteCoded(NamedTuple):
-    """Features held as their uint8 codes ``k``, standing for ``float32(k) / 255`` (8-bit
-    images scaled the usual way). The runner passes image cohorts this way (a quarter of
-    the bytes); ``local_train`` decodes each step's batch just before the loss sees it, so
-    loss functions always receive the float values, bit for bit."""
-
-    codes: jax.Array
-
-    def decode(self) -> jax.Array:
-        return jnp.asarray(BYTE_SCALE_TABLE)[self.codes]
 
 
 class Batches(NamedTuple):
@@ -126,3 +111,23 @@ def local_train(
     )
     taken = jnp.sum(valid)
     return LocalResult(params, jnp.sum(losses) / jnp.maximum(taken, 1.0), taken)
+
+
+def mean_gradient(loss_fn: LossFn, params: Any, batches: Batches) -> Any:
+    """The gradient at ``params`` of the client's mean loss over its real examples,
+    Σ_s m_s ∇loss(params; b_s) / Σ_s m_s (m_s the real examples of batch s; ``loss_fn`` is
+    a masked mean per batch). Padding steps add nothing. One pass, looped as the local
+    steps are (``steps_strategy``). SCAFFOLD's Option I control variate."""
+
+    def step(acc, batch: Batches):
+        m = jnp.sum(batch.mask)
+        g = jax.grad(loss_fn)(params, decoded(batch))
+        new = jax.tree.map(lambda a, gi: a + m.astype(gi.dtype) * gi, acc, g)
+        return jax.tree.map(lambda n, a: jnp.where(m > 0, n, a), new, acc), m
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    num_steps = batches.mask.shape[0]
+    unroll = num_steps if current_steps_strategy() == "unroll" else 1
+    total, ms = jax.lax.scan(step, zeros, batches, unroll=max(unroll, 1))
+    count = jnp.maximum(jnp.sum(ms), 1.0)
+    return jax.tree.map(lambda t: t / count.astype(t.dtype), total)

@@ -12,6 +12,14 @@ are required.
 
 ``checkpoint_every: k`` saves a checkpoint every k rounds into ``OUT/checkpoints/`` (0, the
 default, saves none); ``fedax run ... --resume`` continues from the newest one.
+
+The algorithm names and their options come from the registry (``fedax.algorithms.ALGORITHMS``),
+the ``server:`` section from the server optimizer specs (``SERVER_OPTIMIZERS``): it is one spec,
+``optimizer`` (a name), ``lr`` and that optimizer's other hyperparameters, each absent key at
+the optimizer's default. A FedOpt algorithm name implies its optimizer (``fedadam``: ``adam``),
+so ``server.optimizer`` is then absent or that name; otherwise it defaults to ``sgd`` at
+``lr`` 1 (FedAvg). A key the optimizer does not have is an error naming it.
+``resolved_server_optimizer(config)`` is the spec with every value filled in.
 """
 
 from __future__ import annotations
@@ -33,14 +41,32 @@ from pydantic import (
     PlainValidator,
     ValidationError,
     ValidationInfo,
+    create_model,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic.fields import FieldInfo
 
+from fedax.algorithms import (
+    ALGORITHMS,
+    SERVER_OPTIMIZERS,
+    ServerOptimizerError,
+    resolve_server_optimizer,
+)
+from fedax.algorithms.server_optimizers import Hyperparameter, ResolvedServerOptimizer
+
 
 class ConfigError(ValueError):
     """An invalid config; the message is one line naming the key and what is allowed."""
+
+
+class _KeyedError(ValueError):
+    """A validator's error about another key than the one it validates (``key``, dotted)."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
 
 
 _FLOAT_STRING = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -77,16 +103,73 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class ServerConfig(_Section):
-    """The server optimizer, applied to the pseudo-gradient (FedAvg: sgd with lr 1)."""
+class _ServerSection(_Section):
+    """Written with the keys given only: an absent key is the optimizer's default."""
 
-    optimizer: Literal["sgd", "momentum", "adam"] = "sgd"
-    lr: Number = Field(1.0, gt=0, allow_inf_nan=False)
-    momentum: Number = Field(0.9, ge=0, lt=1)
-    # Reddi et al. 2021 (FedAdam, FedYogi, FedAMSGrad; FedAdagrad uses tau only)
-    b1: Number = Field(0.9, ge=0, lt=1)
-    b2: Number = Field(0.99, ge=0, lt=1)
-    tau: Number = Field(1e-3, gt=0, allow_inf_nan=False)
+    @model_serializer(mode="wrap")
+    def _given_keys(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+def _server_fields() -> dict[str, Any]:
+    """``optimizer`` and every hyperparameter of every server optimizer, each optional."""
+    hyperparameters: dict[str, Hyperparameter] = {}  # same range in every optimizer (tested)
+    order: list[str] = []  # each optimizer's keys in its order (b2 goes before tau)
+    for spec in SERVER_OPTIMIZERS.values():
+        keys = list(spec.hyperparameters)
+        for i, key in enumerate(keys):
+            hyperparameters.setdefault(key, spec.hyperparameters[key])
+            if key not in order:
+                later = [k for k in keys[i + 1:] if k in order]
+                order.insert(order.index(later[0]) if later else len(order), key)
+    fields: dict[str, Any] = {
+        "optimizer": (Literal[tuple(SERVER_OPTIMIZERS)] | None, None)}
+    for key in order:
+        h = hyperparameters[key]
+        if h.kind is bool:
+            fields[key] = (bool | None, None)
+        elif key == "lr":  # a number, or "learned" (by hypergradient: see learned_lr)
+            fields[key] = (Annotated[Number, Field(gt=h.gt, ge=h.ge, lt=h.lt, le=h.le,
+                                                   allow_inf_nan=False)]
+                           | Literal["learned"] | None, None)
+        else:
+            fields[key] = (Number | None, Field(None, gt=h.gt, ge=h.ge, lt=h.lt, le=h.le,
+                                                allow_inf_nan=False))
+    return fields
+
+
+ServerConfig = create_model(
+    "ServerConfig", __base__=_ServerSection, __module__=__name__,
+    __doc__="The server optimizer on the pseudo-gradient, one spec: ``optimizer`` (default: "
+            "the algorithm's, else sgd), ``lr`` and its hyperparameters (absent: defaults).",
+    **_server_fields())
+
+
+def _resolve_server(algorithm: str, server: BaseModel,
+                    learned_init: float | None = None) -> ResolvedServerOptimizer:
+    """The server optimizer of ``algorithm`` with ``server``'s keys; a key that does not apply
+    raises ``_KeyedError`` naming it (``server.<key>``)."""
+    spec = ALGORITHMS[algorithm]
+    try:
+        name = spec.server_optimizer_name(server.optimizer)
+    except ValueError as err:
+        raise _KeyedError("server.optimizer", str(err)) from None
+    given = {k: v for k, v in server.model_dump().items() if k != "optimizer" and v is not None}
+    if given.get("lr") == "learned":
+        given.pop("lr")  # resolved at its initial value (learned_lr.init, else the default)
+        if learned_init is not None:
+            given["lr"] = learned_init
+    allowed = ", ".join(["optimizer", *SERVER_OPTIMIZERS[name].hyperparameters])
+    for key in given:
+        if key not in SERVER_OPTIMIZERS[name].hyperparameters:
+            how = (f" (implied by algorithm {algorithm!r})" if spec.server_optimizer else
+                   "" if server.optimizer else " (the default; choose one with server.optimizer)")
+            raise _KeyedError(f"server.{key}", f"server optimizer {name!r}{how} has no"
+                                             f" hyperparameter {key!r}; allowed: {allowed}")
+    try:
+        return resolve_server_optimizer(name, **given)
+    except ServerOptimizerError as err:
+        raise _KeyedError(f"server.{err.key}", str(err)) from None
 
 
 class ShakespeareConfig(_Section):
@@ -126,6 +209,19 @@ class ExecutionConfig(_Section):
         raise ValueError(f"must be 'auto' or an integer >= 1, got {value!r}")
 
 
+class LearnedLRConfig(_Section):
+    """``server.lr: learned``: η is learned by hypergradient descent on a holdout loss
+    (``fedax.hyper.learned_server_lr_in_state``): each round, ``holdout_clients`` clients
+    drawn independently of the cohort give the loss whose derivative in log η, through the
+    whole round (``mode`` forward or reverse), drives Adam at ``hyper_lr`` on log η,
+    starting from ``init`` (default: the optimizer's default η)."""
+
+    init: Number | None = Field(None, gt=0, allow_inf_nan=False)
+    hyper_lr: Number = Field(0.05, gt=0, allow_inf_nan=False)
+    holdout_clients: int | None = Field(None, ge=1)  # default: the cohort size
+    mode: Literal["forward", "reverse"] = "forward"
+
+
 class Config(_Section):
     """A validated experiment config (see the module docstring)."""
 
@@ -141,16 +237,15 @@ class Config(_Section):
     synthetic: SyntheticConfig = SyntheticConfig()  # dataset: synthetic
     shakespeare: ShakespeareConfig = ShakespeareConfig()  # dataset: shakespeare
     model: Literal["2nn", "cnn", "logistic", "char_lstm"]
-    algorithm: Literal[
-        "fedavg", "fedsgd", "fedprox", "scaffold", "scaffold_option1", "fedadagrad", "fedadam",
-        "fedyogi", "fedamsgrad", "fedavgm",
-    ]
-    mu: Number = Field(0.01, ge=0, allow_inf_nan=False)  # FedProx's proximal weight
+    algorithm: Literal[tuple(ALGORITHMS)]  # the registry's names
+    # FedProx's proximal weight (its registry default)
+    mu: Number = Field(ALGORITHMS["fedprox"].options["mu"], ge=0, allow_inf_nan=False)
     client_fraction: Number = Field(gt=0, le=1)
     local_epochs: int = Field(ge=1)
     batch_size: BatchSize = Field(description="an integer >= 1 or inf")
     client_lr: Number = Field(gt=0, allow_inf_nan=False)
     server: ServerConfig = ServerConfig()
+    learned_lr: LearnedLRConfig = LearnedLRConfig()  # with server.lr: learned
     # FedProx's stragglers: this fraction of each cohort runs U{1..E} epochs instead of E;
     # with drop_stragglers, those that ran fewer than E get weight 0 (FedAvg's treatment).
     stragglers: Number = Field(0.0, ge=0, le=1)
@@ -225,6 +320,29 @@ class Config(_Section):
                 " algorithm 'fedavg')"
             )
         return value
+
+    @field_validator("server")
+    @classmethod
+    def _server_fits_algorithm(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.data.get("algorithm") is not None:
+            _resolve_server(info.data["algorithm"], value)
+        return value
+
+
+    @field_validator("learned_lr")
+    @classmethod
+    def _learned_lr_needs_it(cls, value: Any, info: ValidationInfo) -> Any:
+        server = info.data.get("server")
+        if value != LearnedLRConfig() and server is not None and server.lr != "learned":
+            raise ValueError("applies only with server.lr: learned (the server learning rate "
+                             "learned by hypergradient)")
+        return value
+
+
+def resolved_server_optimizer(config: Config) -> ResolvedServerOptimizer:
+    """The config's server optimizer with every hyperparameter's value, and which of them
+    are the optimizer's defaults (not in the config)."""
+    return _resolve_server(config.algorithm, config.server, config.learned_lr.init)
 
 
 def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:
@@ -318,7 +436,8 @@ def _one_line(error: ValidationError) -> str:
     if err["type"] == "missing":
         return f"config key '{key}' is required: {allowed}"
     if err["type"] == "value_error":  # our validators' messages say what they got
-        return f"config key '{key}': {err['ctx']['error']}"
+        error = err["ctx"]["error"]
+        return f"config key '{getattr(error, 'key', key)}': {error}"
     return f"config key '{key}': must be {allowed}, got {err['input']!r}"
 
 

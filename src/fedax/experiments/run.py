@@ -1,7 +1,8 @@
 """Build and run one experiment from a validated config; write its outputs.
 
 Outputs in ``out_dir``: ``metrics.jsonl`` (one JSON object per evaluation), ``summary.json``
-(config, seed, final accuracy, rounds to target) and ``accuracy.png``; with
+(config, seed, final accuracy, rounds to target, the server optimizer with every
+hyperparameter and which are defaults) and ``accuracy.png``; with
 ``checkpoint_every > 0``, ``checkpoints/ckpt_<round>.msgpack`` (the last two), from which
 ``resume=True`` continues: ``metrics.jsonl`` then ends up as an uninterrupted run's.
 
@@ -28,7 +29,7 @@ import numpy as np
 import optax
 
 from fedax import data as fdata
-from fedax.algorithms import FederatedAlgorithm
+from fedax.algorithms import ALGORITHMS, FederatedAlgorithm
 from fedax.algorithms import make as make_algorithm
 from fedax.client import Batches
 from fedax.experiments.config import (
@@ -37,10 +38,12 @@ from fedax.experiments.config import (
     SyntheticConfig,
     check_against_data,
     config_to_dict,
+    resolved_server_optimizer,
     validate_config,
 )
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.simulation import Execution, History, choose_execution, make_evaluator, run
+from fedax.simulation.sources import HoldoutSource, PartitionSource
 
 # A directory holding any of these holds a run (``checkpoints`` is a directory).
 RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")
@@ -70,15 +73,6 @@ def partition(config: Config, y: np.ndarray) -> list[np.ndarray]:
     return fdata.unbalanced(len(y), config.num_clients, config.seed)
 
 
-def server_optimizer(config: Config) -> optax.GradientTransformation:
-    server = config.server
-    if server.optimizer == "sgd":
-        return optax.sgd(server.lr)
-    if server.optimizer == "momentum":
-        return optax.sgd(server.lr, momentum=server.momentum)
-    return optax.adam(server.lr)
-
-
 def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
                     num_clients: int | None = None) -> FederatedAlgorithm:
     """The config's algorithm on ``apply_fn``'s model with the cross-entropy loss (per token,
@@ -92,19 +86,25 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
             return token_cross_entropy(logits, batch.y, batch.mask)
         return softmax_cross_entropy(logits, batch.y, batch.mask)
 
-    name, server = config.algorithm, config.server
-    if name in ("fedadam", "fedyogi", "fedamsgrad"):
-        options = dict(server_lr=server.lr, b1=server.b1, b2=server.b2, tau=server.tau)
-    elif name == "fedadagrad":
-        options = dict(server_lr=server.lr, tau=server.tau)
-    elif name == "fedavgm":
-        options = dict(server_lr=server.lr, momentum=server.momentum)
-    else:
-        options = dict(server_optimizer=server_optimizer(config))
-        if name == "fedprox":
-            options["mu"] = config.mu
-    return make_algorithm(name, loss_fn, num_clients=num_clients or config.num_clients,
-                          client_lr=config.client_lr, **options)
+    # The registry entry's own options the config has (FedProx's mu), and its server
+    # optimizer, every hyperparameter resolved (as summary.json records it).
+    options = {k: getattr(config, k) for k in ALGORITHMS[config.algorithm].options
+               if k in Config.model_fields}
+    server = resolved_server_optimizer(config)
+    hyperparameters = dict(server.hyperparameters)
+    algorithm = make_algorithm(config.algorithm, loss_fn,
+                               num_clients=num_clients or config.num_clients,
+                               client_lr=config.client_lr, server_optimizer=server.name,
+                               server_lr=hyperparameters.pop("lr"), **hyperparameters,
+                               **options)
+    if config.server.lr != "learned":
+        return algorithm
+    # η lives in the server optimizer's state; it is learned on holdout clients' loss.
+    from fedax.hyper import learned_server_lr_in_state
+
+    return learned_server_lr_in_state(
+        algorithm, server.hyperparameters["lr"], loss_fn,
+        optax.adam(config.learned_lr.hyper_lr), config.learned_lr.mode)
 
 
 def strict_json(value: Any) -> tuple[Any, bool]:
@@ -418,16 +418,19 @@ def run_experiment(
     label = label or config.algorithm
     title = title or label or out.name
     started = time.perf_counter()
+    source = PartitionSource(train, config.client_fraction, config.local_epochs,
+                             config.batch_size, config.seed, config.stragglers,
+                             config.drop_stragglers)
+    if config.server.lr == "learned":
+        cohort_size = len(fdata.sample_clients(0, train.num_clients, config.client_fraction))
+        source = HoldoutSource(source, config.learned_lr.holdout_clients or cohort_size)
     try:
         history = run(
             algorithm,
             params,
-            train,
+            source,
             evaluate,
             rounds=config.rounds,
-            client_fraction=config.client_fraction,
-            local_epochs=config.local_epochs,
-            batch_size=config.batch_size,
             seed=config.seed,
             eval_every=config.eval_every,
             target_accuracy=config.target_accuracy,
@@ -441,8 +444,6 @@ def run_experiment(
             # The algorithm, model and data choices the runner cannot see. How often to save
             # does not change the run, so a resumed run may save more or less often.
             fingerprint=_fingerprint(config),
-            straggler_fraction=config.stragglers,
-            drop_stragglers=config.drop_stragglers,
             max_rejected_fraction=config.max_rejected_fraction,
         )
     except FloatingPointError as err:
@@ -478,8 +479,20 @@ def summarize(config: Config, records: list[dict[str, Any]], wall: float, execut
         "rounds_to_target": None if reached is None else round(reached, 1),
         "wall_time_s": round(wall, 2),
         "execution": execution._asdict(),
+        # name, every hyperparameter, which are defaults (not in the config), the paper
+        "server_optimizer": _server_summary(config),
+        # the last record: every metric of the last evaluated round (the algorithm's and its
+        # aggregator's, a learned η)
+        "last_record": records[-1] if records else None,
         "resumed_from_round": resumed_from,
     }
+
+
+def _server_summary(config: Config) -> dict[str, Any]:
+    summary = resolved_server_optimizer(config).as_dict()
+    if config.server.lr == "learned":  # lr is the initial η; the records hold each round's
+        summary["learned_lr"] = config.learned_lr.model_dump()
+    return summary
 
 
 def write_outputs(out: Path, summary: dict[str, Any], records: list[dict[str, Any]],

@@ -3,7 +3,8 @@ federated hypergradient descent, on a population where some clients hold mislabe
 
 MNIST, IID partition (100 clients × 600), a fraction of the clients (30% by default) with
 their labels mapped through a client-specific derangement of the classes (every label is
-wrong, consistently within the client: a client whose annotator confused the classes).
+wrong, consistently within the client: a client whose annotator confused the classes;
+``fedax.data.mislabel_clients``).
 The FedAvg variants see the same training cohorts (m = 10 clients a round, E = 1, B = 10,
 client SGD), multinomial logistic regression:
 
@@ -13,8 +14,9 @@ client SGD), multinomial logistic regression:
   θ starts at 0 (= plain FedAvg) and descends the reverse-mode hypergradient of a holdout
   objective on m fresh clients after the round (Adam on θ). Three holdouts (``LEARNED``):
   cross-entropy on clients from the whole population, mislabelled ones included (the
-  library's default; the server does not know who is bad); the soft error 1 − p_y on the
-  same clients; cross-entropy on trusted clients (drawn from the good ones);
+  library's default; the server does not know who is bad); the soft error 1 − p_y
+  (``fedax.hyper.soft_error``) on the same clients; cross-entropy on trusted clients (drawn
+  from the good ones);
 * **oracle**: FedAvg over the good clients only (the bad ones removed from the population).
 
 Reported: test accuracy, the learned θ, and the weight the learned rule gives the
@@ -31,14 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from fedax.algorithms import FederatedAlgorithm, fedavg
-from fedax.hyper import HyperCohort, learned_client_weights
-from fedax.models import masked_mean
+from fedax.data import mislabel_clients
+from fedax.hyper import HyperCohort, learned_client_weights, soft_error
 from fedax.reproduce.fad_server_lr import (
+    EXECUTION,
     TAIL,
     Task,
     cohort_batches,
@@ -49,11 +51,12 @@ from fedax.reproduce.fad_server_lr import (
     sample,
 )
 from fedax.reproduce.framework import CustomExperiment, machine_info, save_results
+from fedax.simulation import run as run_rounds
+from fedax.simulation.sources import HostCohorts
 
 PAPER = ("Rush, Charles, Garrett, \"Federated Automatic Differentiation\", JMLR 25(357), "
          "2024 (arXiv 2301.07806): \"using FAD to learn weighting schemes for computing "
          "weighted averages across clients\" (abstract)")
-MODES = ("permute", "random")
 # The learned methods: (where the holdout clients come from, the holdout objective).
 # "population" is the whole contaminated population (the server does not know who is bad);
 # "good" is a server that knows a few trusted clients. "ce" is the training loss
@@ -67,72 +70,6 @@ LEARNED = {
     "learned (trusted CE holdout)": ("good", "ce"),
 }
 METHODS = ("n_k", *LEARNED, "oracle")
-
-
-def soft_error(apply: Callable) -> Callable:
-    """The holdout loss ``1 − p_y`` (masked mean over the batch) of model ``apply``."""
-
-    def loss(params, batch):
-        p = jax.nn.softmax(apply(params, batch.x).astype(jnp.float32))
-        p_y = jnp.take_along_axis(p, batch.y[:, None], axis=-1)[:, 0]
-        return masked_mean(1.0 - p_y, batch.mask)
-
-    return loss
-
-
-def _derangement(rng: np.random.Generator, n: int) -> np.ndarray:
-    """A uniformly random permutation of ``range(n)`` with no fixed point (n >= 2)."""
-    while True:
-        perm = rng.permutation(n)
-        if not np.any(perm == np.arange(n)):
-            return perm
-
-
-def mislabel_clients(
-    labels: np.ndarray,
-    parts: list[np.ndarray],
-    fraction: float,
-    seed: int | np.random.Generator,
-    mode: str = "permute",
-    num_classes: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Corrupts the labels of ``round(fraction · K)`` clients chosen uniformly at random.
-
-    Args:
-      labels: int ``[N]`` labels of the whole data set (not modified).
-      parts: the partition, ``parts[k]`` client k's example indices (disjoint).
-      fraction: in [0, 1], the share of clients made bad.
-      seed: an int or a ``np.random.Generator``; the result is a function of it.
-      mode: ``"permute"``: each bad client maps its labels through its own random
-        derangement of the classes (every label changes, consistently within the client);
-        ``"random"``: each label of a bad client is replaced by a uniformly random *other*
-        class (every label changes, inconsistently).
-      num_classes: the number of classes (default ``labels.max() + 1``).
-
-    Returns:
-      ``(new_labels, bad)``: a corrupted copy of ``labels`` (same dtype) and the sorted int64
-      ids of the bad clients. Examples of good clients keep their labels.
-    """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"fraction must be in [0, 1], got {fraction}")
-    labels = np.asarray(labels)
-    classes = int(labels.max()) + 1 if num_classes is None else int(num_classes)
-    if classes < 2:
-        raise ValueError("mislabelling needs at least two classes")
-    rng = np.random.default_rng(seed)
-    num_bad = int(round(fraction * len(parts)))
-    bad = np.sort(rng.choice(len(parts), size=num_bad, replace=False)).astype(np.int64)
-    new = labels.copy()
-    for k in bad:
-        idx = np.asarray(parts[k], np.int64)
-        if mode == "permute":
-            new[idx] = _derangement(rng, classes)[labels[idx]]
-        else:
-            shift = rng.integers(1, classes, size=len(idx))
-            new[idx] = (labels[idx] + shift) % classes
-    return new.astype(labels.dtype), bad
 
 
 _MODE_TEXT = {"permute": "permuted (a derangement of the classes per client)",
@@ -154,6 +91,16 @@ def load_task(seed: int = 0, fraction: float = 0.3, mode: str = "permute"):
                      f"labels {_MODE_TEXT[mode]}; 10 clients a round, E = 1, B = 10, client "
                      "SGD lr 0.03")
     return task, bad
+
+
+def _with_theta(algorithm: FederatedAlgorithm) -> FederatedAlgorithm:
+    """A hypergradient learner whose rounds also report θ after the round."""
+
+    def round_fn(state, cohort, key):
+        state, metrics = algorithm.round(state, cohort, key)
+        return state, dict(metrics, theta=state.hparams)
+
+    return FederatedAlgorithm(algorithm.init, round_fn, algorithm.server_params)
 
 
 def _recording(make: Callable[[Any], FederatedAlgorithm]):
@@ -226,48 +173,58 @@ def run_methods(task: Task, bad: np.ndarray, *, rounds: int, eval_every: int, se
     results = {}
     for method in methods:
         is_learned = method in LEARNED
+        pool = good if method == "oracle" else everyone
         if is_learned:
             holdout_from, objective = LEARNED[method]
-            algorithm = learned_client_weights(_recording(make), holdout_losses[objective],
-                                               optax.adam(hyper_lr))
+            algorithm = _with_theta(learned_client_weights(
+                _recording(make), holdout_losses[objective], optax.adam(hyper_lr)))
+            holdout_pool = good if holdout_from == "good" else everyone
+
+            def make_cohort(t, pool=pool, holdout_pool=holdout_pool):
+                hrng = np.random.default_rng([seed, t, 1])
+                holdout = holdout_batches(task.train, sample(hrng, holdout_pool, m))
+                return HyperCohort(cohort(t, pool), holdout)
         else:
             algorithm = plain
-        step = jax.jit(algorithm.round)
-        state = algorithm.init(params0, None)
-        pool = good if method == "oracle" else everyone
-        records, window, start = [], [], time.perf_counter()
-        for t in range(rounds):
-            c = cohort(t, pool)
+
+            def make_cohort(t, pool=pool):
+                return cohort(t, pool)
+
+        window: list[tuple] = []
+
+        def on_round(number, metrics, data, window=window, is_learned=is_learned):
             if is_learned:
-                hrng = np.random.default_rng([seed, t, 1])
-                holdout_pool = good if holdout_from == "good" else everyone
-                holdout = holdout_batches(task.train, sample(hrng, holdout_pool, m))
-                state, metrics = step(state, HyperCohort(c, holdout), None)
-                window.append((c.client_ids, c.num_examples, metrics["client_weights"]))
-            else:
-                state, metrics = step(state, c, None)
-            if (t + 1) % eval_every == 0 or t + 1 == rounds:
-                params = algorithm.server_params(state)
-                acc, loss = evaluate(params)
-                record = {"round": t + 1, "test_accuracy": float(acc),
-                          "test_loss": float(loss),
-                          "cohort_local_loss": float(metrics["train_loss"])}
-                if is_learned:
-                    stats = [weight_stats(np.asarray(w), np.asarray(ids), bad, np.asarray(n))
-                             for ids, n, w in jax.device_get(window)]
-                    for key in ("bad_weight_share", "bad_example_share"):
-                        record[key] = float(np.mean([s[key] for s in stats]))
-                    for key in ("bad_norm_weight", "good_norm_weight"):
-                        values = [s[key] for s in stats if not math.isnan(s[key])]
-                        record[key] = float(np.mean(values)) if values else None
-                    record["theta"] = [float(v) for v in np.asarray(state.hparams)]
-                    window = []
-                record["elapsed_s"] = round(time.perf_counter() - start, 2)
-                records.append(record)
-                if progress:
-                    log(f"     {method} round {t + 1}: test acc {record['test_accuracy']:.4f}"
-                        + (f", bad weight share {record['bad_weight_share']:.3f}, θ "
-                           f"{record['theta']}" if is_learned else ""))
+                train = data.plain.train
+                window.append((train.client_ids, train.num_examples,
+                               metrics["client_weights"]))
+
+        records: list[dict[str, Any]] = []
+
+        def on_record(record, window=window, is_learned=is_learned, method=method,
+                      records=records):
+            out = {"round": record["round"], "test_accuracy": float(record["test_accuracy"]),
+                   "test_loss": float(record["test_loss"]),
+                   "cohort_local_loss": float(record["train_loss"])}
+            if is_learned:
+                stats = [weight_stats(np.asarray(w), np.asarray(ids), bad, np.asarray(n))
+                         for ids, n, w in window]
+                for key in ("bad_weight_share", "bad_example_share"):
+                    out[key] = float(np.mean([s[key] for s in stats]))
+                for key in ("bad_norm_weight", "good_norm_weight"):
+                    values = [s[key] for s in stats if not math.isnan(s[key])]
+                    out[key] = float(np.mean(values)) if values else None
+                out["theta"] = [float(v) for v in record["theta"]]
+                window.clear()
+            out["elapsed_s"] = round(record["elapsed_s"], 2)
+            records.append(out)
+            if progress:
+                log(f"     {method} round {out['round']}: test acc {out['test_accuracy']:.4f}"
+                    + (f", bad weight share {out['bad_weight_share']:.3f}, θ "
+                       f"{out['theta']}" if is_learned else ""))
+
+        run_rounds(algorithm, params0, HostCohorts(make_cohort, task.train.num_clients), evaluate,
+            rounds=rounds, eval_every=eval_every, seed=seed, execution=EXECUTION,
+            callbacks=[on_record], round_callbacks=[on_round], stop_on_divergence=False)
         tail = records[-max(1, math.ceil(TAIL * len(records))):]
         summary = {"method": method, "final_test_accuracy": records[-1]["test_accuracy"],
                    "tail_test_accuracy": float(np.mean([r["test_accuracy"] for r in tail])),
@@ -472,4 +429,4 @@ CLIENT_WEIGHTS = CustomExperiment(
     quick_description="150 rounds (≤ 5 min on 2 cores)",
 )
 
-__all__ = ["CLIENT_WEIGHTS", "mislabel_clients", "run", "weight_stats"]
+__all__ = ["CLIENT_WEIGHTS", "run", "weight_stats"]

@@ -22,9 +22,10 @@ regression as in FedProx's experiments; m clients a round, client SGD, E = 1):
 3. Variants of the learned method (the improvement attempts, all reported): the hyper step
    size, a larger holdout (several cohorts averaged), and a hypergradient through more than
    one round (the tangent d x_t / d log η is carried across rounds with decay γ, i.e. a
-   truncated real-time forward-mode hypergradient; γ = 0 is the one-round hypergradient,
-   tested equal to ``fedax.hyper.learned_server_lr``). The variant reported as "selected"
-   is chosen by the same training signal (mean over both starts), never by test accuracy.
+   truncated real-time forward-mode hypergradient, ``fedax.hyper.learned_server_lr_carried``;
+   γ = 0 is the one-round hypergradient, tested equal to ``fedax.hyper.learned_server_lr``).
+   The variant reported as "selected" is chosen by the same training signal (mean over both
+   starts), never by test accuracy.
 """
 
 from __future__ import annotations
@@ -35,17 +36,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedax.algorithms import CohortBatches, FederatedAlgorithm, fedavg, federated_loss
+from fedax.algorithms import CohortBatches, fedavg
 from fedax.client import Batches, LossFn
-from fedax.hyper import HyperCohort
+from fedax.hyper import HyperCohort, learned_server_lr_carried
 from fedax.reproduce.framework import CustomExperiment, machine_info, save_results
+from fedax.simulation import Execution
+from fedax.simulation import run as run_rounds
+from fedax.simulation.sources import HostCohorts
+
+# The hypergradient experiments' rounds: clients vectorized, local steps scanned.
+EXECUTION = Execution("vmap", "scan", 1)
 
 PAPER = ("Rush, Charles, Garrett, \"Federated Automatic Differentiation\", JMLR 25(357), "
          "2024 (arXiv 2301.07806): FedOpt with hypergradient descent on the server "
@@ -160,81 +166,6 @@ def sample(rng, population: np.ndarray, m: int) -> np.ndarray:
     return np.asarray(population)[rng.choice(len(population), size=m, replace=False)]
 
 
-# ------------------------------------------------------ hypergradient through many rounds
-
-
-def _inexact(a) -> bool:
-    return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
-
-
-class CarriedState(NamedTuple):
-    inner: Any
-    log_lr: jax.Array
-    tangent: Any  # d inner / d log η along the trajectory (zeros for integer leaves)
-    hyper_opt_state: Any
-
-
-def learned_server_lr_carried(
-    make_algorithm: Callable[[jax.Array], FederatedAlgorithm],
-    init_lr: float,
-    loss_fn: LossFn,
-    hyper_optimizer: optax.GradientTransformation,
-    decay: float | jax.Array = 0.0,
-) -> FederatedAlgorithm:
-    """Learned server learning rate whose hypergradient reaches back over past rounds.
-
-    Forward mode, carried tangent (real-time hypergradient, Franceschi et al. 2017): with
-    u = log η the state carries T_t ≈ d x_t / d u; each round computes, in one forward-mode
-    pass through the round and the holdout loss,
-
-        T_{t+1} = ∂round/∂x · T_t + ∂round/∂u,   g_t = ⟨∇L_H(x_{t+1}), T_{t+1}⟩,
-
-    updates u with ``hyper_optimizer`` on g_t, and carries γ·T_{t+1} (``decay`` γ; the
-    effective horizon is about 1/(1-γ) rounds). γ = 0 is exactly the one-round
-    hypergradient of ``fedax.hyper.learned_server_lr(..., mode="forward")``. Communication
-    per round is that of forward mode: a second model-sized tangent rides with the
-    broadcast and with each client's update; the carried tangent stays on the server.
-
-    The round takes a ``HyperCohort``; metrics add ``server_lr`` (the η used),
-    ``holdout_loss`` and ``hypergradient``.
-    """
-
-    def init(params, key):
-        log_lr = jnp.log(jnp.float32(init_lr))
-        inner = make_algorithm(jnp.exp(log_lr)).init(params, key)
-        tangent = jax.tree.map(
-            lambda a: jnp.zeros(jnp.shape(a), a.dtype if _inexact(a) else jnp.float32), inner)
-        return CarriedState(inner, log_lr, tangent, hyper_optimizer.init(log_lr))
-
-    def round_fn(state: CarriedState, cohort: HyperCohort, key):
-        def forward(inner, log_lr):
-            algorithm = make_algorithm(jnp.exp(log_lr))
-            new_inner, metrics = algorithm.round(inner, cohort.train, key)
-            loss = federated_loss(loss_fn, algorithm.server_params(new_inner), cohort.holdout)
-            return (new_inner, loss), metrics
-
-        tangent_in = jax.tree.map(
-            lambda t, a: t if _inexact(a) else np.zeros(jnp.shape(a), jax.dtypes.float0),
-            state.tangent, state.inner)
-        (inner, loss), (d_inner, d_loss), metrics = jax.jvp(
-            forward, (state.inner, state.log_lr), (tangent_in, jnp.ones_like(state.log_lr)),
-            has_aux=True)
-        updates, hyper_state = hyper_optimizer.update(d_loss, state.hyper_opt_state,
-                                                      state.log_lr)
-        log_lr = optax.apply_updates(state.log_lr, updates)
-        tangent = jax.tree.map(
-            lambda t, a: decay * t if _inexact(a) else jnp.zeros(jnp.shape(a), jnp.float32),
-            d_inner, inner)
-        metrics = dict(metrics, server_lr=jnp.exp(state.log_lr), holdout_loss=loss,
-                       hypergradient=d_loss)
-        return CarriedState(inner, log_lr, tangent, hyper_state), metrics
-
-    def server_params(state: CarriedState):
-        return make_algorithm(jnp.exp(state.log_lr)).server_params(state.inner)
-
-    return FederatedAlgorithm(init, round_fn, server_params)
-
-
 @dataclass(frozen=True)
 class Variant:
     """A setting of the learned method: Adam's step on log η, the decay γ of the carried
@@ -302,23 +233,11 @@ class Runner:
 
         self.make = make
 
-        @jax.jit
-        def fixed_step(state, cohort, lr):
-            return make(lr).round(state, cohort, None)
-
-        self.fixed_step = fixed_step
-
         def learned(hyper_lr, decay, init_lr=1.0):
             return learned_server_lr_carried(make, init_lr, loss_fn, optax.adam(hyper_lr),
                                              decay)
 
         self.learned = learned
-
-        @jax.jit
-        def learned_step(state, cohort, hyper_lr, decay):
-            return learned(hyper_lr, decay).round(state, cohort, None)
-
-        self.learned_step = learned_step
         self.params0 = task.model.init(jax.random.key(seed))
 
     def cohort(self, t: int, population: np.ndarray | None = None) -> CohortBatches:
@@ -345,39 +264,45 @@ class Runner:
     def run(self, label: str, server_lr: float, rounds: int, eval_every: int,
             variant: Variant | None = None, log: Callable[[str], None] = print,
             progress: bool = False) -> dict[str, Any]:
-        """One run: fixed η = ``server_lr``, or learned from it with ``variant``."""
+        """One run: fixed η = ``server_lr``, or learned from it with ``variant``; through
+        the simulation runner, recorded to the end even when it diverges."""
         task = self.task
         if variant is None:
-            state = self.make(server_lr).init(self.params0, None)
-            lr = jnp.float32(server_lr)
+            algorithm = self.make(server_lr)
+            source = HostCohorts(self.cohort, task.train.num_clients)
         else:
             algorithm = self.learned(variant.hyper_lr, variant.decay, server_lr)
-            state = algorithm.init(self.params0, None)
-            hyper = (jnp.float32(variant.hyper_lr), jnp.float32(variant.decay))
-        records, pending, start = [], [], time.perf_counter()
-        for t in range(rounds):
-            cohort = self.cohort(t)
+            clients = variant.holdout_factor * task.clients_per_round
+            source = HostCohorts(lambda t: HyperCohort(self.cohort(t), self.holdout(t, clients)),
+                                 task.train.num_clients)
+        lrs: list[float] = []  # the η of each round since the last record
+
+        def on_round(number, metrics, data):
+            if variant is not None:
+                lrs.append(float(metrics["server_lr"]))
+
+        records: list[dict[str, Any]] = []
+
+        def on_record(record):
+            out = {"round": record["round"]}
+            out.update({k: record[k] for k in ("test_accuracy", "test_loss", "train_loss",
+                                               "train_accuracy")})
             if variant is None:
-                state, metrics = self.fixed_step(state, cohort, lr)
+                out["server_lr"] = server_lr
             else:
-                holdout = self.holdout(t, variant.holdout_factor * task.clients_per_round)
-                state, metrics = self.learned_step(state, HyperCohort(cohort, holdout), *hyper)
-                pending.append(metrics["server_lr"])
-            if (t + 1) % eval_every == 0 or t + 1 == rounds:
-                params = state.params if variant is None else state.inner.params
-                record = {"round": t + 1, **self.evaluate(params)}
-                if variant is None:
-                    record["server_lr"] = server_lr
-                else:
-                    lrs = np.asarray(jax.device_get(pending), np.float64)
-                    record["server_lr"] = float(lrs[-1])
-                    record["server_lr_geomean"] = float(np.exp(np.mean(np.log(lrs))))
-                    pending = []
-                record["elapsed_s"] = round(time.perf_counter() - start, 2)
-                records.append(record)
-                if progress:
-                    log(f"     {label} round {t + 1}: test acc {record['test_accuracy']:.4f}, "
-                        f"train loss {record['train_loss']:.4f}, η {record['server_lr']:.3g}")
+                window = np.asarray(lrs, np.float64)
+                out["server_lr"] = float(window[-1])
+                out["server_lr_geomean"] = float(np.exp(np.mean(np.log(window))))
+                lrs.clear()
+            out["elapsed_s"] = round(record["elapsed_s"], 2)
+            records.append(out)
+            if progress:
+                log(f"     {label} round {out['round']}: test acc {out['test_accuracy']:.4f}, "
+                    f"train loss {out['train_loss']:.4f}, η {out['server_lr']:.3g}")
+
+        run_rounds(algorithm, self.params0, source, self.evaluate, rounds=rounds,
+            eval_every=eval_every, seed=self.seed, execution=EXECUTION, callbacks=[on_record],
+            round_callbacks=[on_round], stop_on_divergence=False)
         result = summarize(records)
         result.update(label=label, learned=variant is not None, initial_server_lr=server_lr,
                       variant=None if variant is None else variant.name, records=records,

@@ -84,7 +84,7 @@ _NOTES = """
   lr 0.01 and B = 10 (the FedProx paper's synthetic-data settings, not tuned here), E = 20,
   10 of the 30 devices a round (`client_fraction` 0.34), n_k-weighted averaging (the
   paper's experiments weight by n_k), server step 1, 200 rounds, one seed (0).
-- Stragglers (`stragglers`, `fedax.algorithms.straggler_epochs`): each round
+- Stragglers (`stragglers`, `fedax.simulation.straggler_epochs`): each round
   round(0.5·10) = 5 or round(0.9·10) = 9 of the 10 selected devices draw their epochs
   uniformly from {1, ..., 20}, from the round's seeded rng. FedAvg (`drop_stragglers`)
   gives weight 0 to the devices that ran fewer than 20 epochs; a straggler that happens to

@@ -1,5 +1,6 @@
 """Simulation: cohorts, compiled rounds, evaluation, rounds to target, checkpoints."""
 
+from fedax.data import VirtualPopulation, sample_cohort  # re-exported: they live in data
 from fedax.simulation.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -8,14 +9,10 @@ from fedax.simulation.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from fedax.simulation.client_state import ClientStateStore
 from fedax.simulation.cohorts import cohort_batches
 from fedax.simulation.execution import Execution, choose_execution, use_execution
-from fedax.simulation.population import (
-    ClientStateStore,
-    VirtualPopulation,
-    run_population,
-    sample_cohort,
-)
+from fedax.simulation.population import run_population
 from fedax.simulation.runner import (
     DivergenceError,
     History,
@@ -24,12 +21,25 @@ from fedax.simulation.runner import (
     rounds_to_target,
     run,
 )
+from fedax.simulation.sources import (
+    CohortSource,
+    HostCohorts,
+    PartitionSource,
+    PopulationSource,
+    RoundData,
+)
+from fedax.simulation.stragglers import drop_stragglers, straggler_epochs
 
 __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointWarning",
     "ClientStateStore",
+    "CohortSource",
+    "HostCohorts",
+    "PartitionSource",
+    "PopulationSource",
+    "RoundData",
     "DivergenceError",
     "Execution",
     "VirtualPopulation",
@@ -37,6 +47,7 @@ __all__ = [
     "RunInterrupted",
     "choose_execution",
     "cohort_batches",
+    "drop_stragglers",
     "latest_checkpoint",
     "load_checkpoint",
     "make_evaluator",
@@ -45,5 +56,6 @@ __all__ = [
     "run_population",
     "sample_cohort",
     "save_checkpoint",
+    "straggler_epochs",
     "use_execution",
 ]

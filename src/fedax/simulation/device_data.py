@@ -23,9 +23,9 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from fedax.client import BYTE_SCALE_TABLE, ByteCoded
+from fedax.data import BYTE_SCALE_TABLE, ByteCoded
 
-# The decode table (code k -> float32(k) / float32(255)) is fedax.client's BYTE_SCALE_TABLE.
+# The decode table (code k -> float32(k) / float32(255)) is fedax.data's BYTE_SCALE_TABLE.
 _CHECK_CHUNK = 1 << 20  # elements per verification chunk: bounded temporary memory
 
 

@@ -29,14 +29,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from fedax import federated as fed
-from fedax.algorithms import CohortBatches, FederatedAlgorithm, straggler_epochs
-from fedax.algorithms import drop_stragglers as drop_stragglers_fn
-from fedax.client import Batches
-from fedax.data import ClientData, Cohort, make_cohort, num_local_steps, sample_clients
+from fedax.algorithms import FederatedAlgorithm, cohort_round, init_state
+from fedax.data import ClientData
 from fedax.simulation import checkpoint as ckpt
-from fedax.simulation.device_data import cohort_features, put_features, take
+from fedax.simulation.client_state import ClientStateStore
 from fedax.simulation.execution import Execution, choose_execution, use_execution
 from fedax.simulation.host import compiler_options
+from fedax.simulation.sources import CohortSource, PartitionSource, RoundData
 
 
 def rounds_to_target(
@@ -66,11 +65,17 @@ class History:
     """Evaluation records (one dict per evaluation) and the final state.
 
     ``resumed_from`` is the round of the checkpoint a resumed run started from (else None).
+    ``round_times`` are the wall seconds of each round run (resumed rounds only), from the
+    moment the previous round's results were on the host to this one's: they include
+    making the next round's cohort on the host, which overlaps with the device's work,
+    and the first includes compilation; evaluation is included in the rounds that
+    evaluate.
     """
 
     records: list[dict[str, Any]] = field(default_factory=list)
     state: Any = None
     resumed_from: int | None = None
+    round_times: list[float] = field(default_factory=list)
 
     def column(self, key: str) -> list[Any]:
         return [r[key] for r in self.records]
@@ -162,41 +167,25 @@ def _all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack(checks)) if checks else jnp.asarray(True)
 
 
+_RECORDED_APART = ("train_loss", "rejected_clients", "server_finite")
+
+
+def round_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The round's other metrics (the algorithm's and its aggregator's: local steps, clipped
+    clients, a learned rate) as JSON values: a float per scalar, nested lists otherwise."""
+    out = {}
+    for name in sorted(metrics):
+        if name in _RECORDED_APART:
+            continue
+        value = np.asarray(metrics[name])
+        out[name] = value.item() if value.ndim == 0 else value.tolist()
+        if value.ndim == 0 and np.issubdtype(value.dtype, np.floating):
+            out[name] = float(value)
+    return out
+
+
 def _maybe_mesh(mesh):
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-
-
-def _pad_cohort(cohort: Cohort, multiple: int) -> Cohort:
-    """Pad with empty clients (no real steps, weight n_k = 0) to a multiple of ``multiple``,
-    so a cohort splits evenly over devices; padded clients change no aggregate."""
-    extra = -len(cohort.client_ids) % multiple
-    if extra == 0:
-        return cohort
-
-    def pad(a):
-        return np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)])
-
-    return Cohort(*(pad(a) for a in cohort))
-
-
-def run_fingerprint(
-    init_params: Any,
-    train: ClientData,
-    execution: Execution,
-    *,
-    extra: Mapping[str, Any] | None = None,
-    **arguments: Any,
-) -> dict[str, Any]:
-    """What identifies a run for resuming: its arguments, the execution strategy (others
-    give close but not bit-identical numbers), SHA-256 of the initial params and of the
-    training data, plus the caller's ``extra`` items (prefixed ``config.``)."""
-    items: dict[str, Any] = dict(arguments)
-    items.update({f"execution.{k}": v for k, v in execution._asdict().items()})
-    items["init_params.sha256"] = ckpt.tree_sha256(init_params)
-    items["train.sha256"] = ckpt.arrays_sha256(train.x, train.y, train.indices, train.offsets)
-    for key, value in _flatten(extra or {}, "config."):
-        items[key] = value
-    return items
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str):
@@ -207,22 +196,50 @@ def _flatten(tree: Mapping[str, Any], prefix: str):
             yield f"{prefix}{key}", value
 
 
+def _identity(init_params, execution: Execution, source, extra, **arguments) -> dict:
+    """What identifies a run for resuming: its arguments, the execution strategy (others
+    give close but not bit-identical numbers), SHA-256 of the initial params, the cohort
+    source's own items (for a data set, SHA-256 of the training data), plus the caller's
+    ``extra`` items (prefixed ``config.``)."""
+    items: dict[str, Any] = dict(arguments)
+    items.update(source.identity())
+    items.update({f"execution.{k}": v for k, v in execution._asdict().items()})
+    items["init_params.sha256"] = ckpt.tree_sha256(init_params)
+    for key, value in _flatten(extra or {}, "config."):
+        items[key] = value
+    return items
+
+
+RoundCallback = Callable[[int, dict[str, Any], RoundData], None]
+"""Called after every round (not only evaluated ones) with its number, its metrics as host
+values, and its ``RoundData`` (the cohort's ids)."""
+
+
+def _evaluation(evaluate, params) -> dict[str, Any]:
+    result = evaluate(params)
+    if isinstance(result, Mapping):
+        return dict(result)
+    acc, loss = result
+    return {"test_accuracy": acc, "test_loss": loss}
+
+
 def run(
     algorithm: FederatedAlgorithm,
     init_params: Any,
-    train: ClientData,
-    evaluate: Callable[[Any], tuple[float, float]],
+    source: ClientData | CohortSource,
+    evaluate: Callable[[Any], Any] | None,
     *,
     rounds: int,
-    client_fraction: float,
-    local_epochs: int,
-    batch_size: float,
+    client_fraction: float | None = None,
+    local_epochs: int | None = None,
+    batch_size: float | None = None,
     seed: int = 0,
     eval_every: int = 1,
     target_accuracy: float | None = None,
     stop_at_target: bool = False,
     execution: Execution | None = None,
     callbacks: Sequence[Callback] = (),
+    round_callbacks: Sequence[RoundCallback] = (),
     progress: bool = False,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int = 0,
@@ -230,24 +247,33 @@ def run(
     fingerprint: Mapping[str, Any] | None = None,
     straggler_fraction: float = 0.0,
     drop_stragglers: bool = False,
+    client_state: ClientStateStore | None = None,
     max_rejected_fraction: float = 0.5,
+    stop_on_divergence: bool = True,
 ) -> History:
-    """Run ``rounds`` rounds of ``algorithm`` on ``train``, evaluating every ``eval_every``.
+    """Run ``rounds`` rounds of ``algorithm`` on a cohort source, evaluating every
+    ``eval_every``. The one round loop of fedax: data sets, virtual populations and the
+    hypergradient experiments all run through it.
 
     Args:
       algorithm: a ``FederatedAlgorithm``.
       init_params: the initial server model.
-      train: the federated training data.
-      evaluate: ``evaluate(params) -> (accuracy, loss)`` on the test set.
-      rounds, client_fraction, local_epochs, batch_size: the paper's T, C, E, B
+      source: a ``ClientData`` (then ``client_fraction``, ``local_epochs``, ``batch_size``
+        and the straggler options make its ``PartitionSource``), or any cohort source
+        (``fedax.simulation.sources``: ``PopulationSource``, ``HostCohorts``).
+      evaluate: ``evaluate(params) -> (accuracy, loss)`` on the test set, or a dict of
+        named values; None records no evaluation.
+      rounds: T.
+      client_fraction, local_epochs, batch_size: the paper's C, E, B for a ``ClientData``
         (``batch_size=math.inf`` is the full local data set).
-      seed: the run's only source of randomness.
-      eval_every: evaluate after every k-th round (and after the last one).
+      seed: the run's only source of randomness (with the source's own seed).
+      eval_every: record (and evaluate) after every k-th round and after the last one.
       target_accuracy: report ``rounds_to_target`` against this accuracy.
       stop_at_target: end the run at the first evaluation that reaches the target.
       execution: execution strategy; default ``choose_execution(params=init_params)``,
         chosen for the backend and the model.
-      callbacks: each is called with every evaluation record (see ``Callback``).
+      callbacks: each is called with every record (see ``Callback``).
+      round_callbacks: each is called after every round (see ``RoundCallback``).
       progress: show a progress bar with the round, test accuracy and rounds/s.
       checkpoint_dir: where checkpoints ``ckpt_<round>.msgpack`` go (the last two kept).
       checkpoint_every: save a checkpoint after every k-th round and after the last one
@@ -271,16 +297,25 @@ def run(
         (``drop_stragglers``; FedAvg's treatment in the paper) instead of aggregating their
         partial work. Requires ``round(straggler_fraction * C) < C``, so that at least one
         client of every cohort runs E epochs.
+      client_state: a host ``ClientStateStore`` of the algorithm's per-client state (one
+        row per client of the source): the round then runs with ``cohort_round``, the
+        cohort's rows gathered before it and the accepted clients' rows scattered back
+        after, so nothing of size N is on the device. Default: the algorithm keeps its
+        per-client state in its own state (``round``).
       max_rejected_fraction: every round, clients whose update is not finite are left out
         of the aggregate and counted (the algorithm's ``rejected_clients`` metric; each
         record holds the count since the previous record). A round in which more than this
         fraction of its clients were rejected stops the run with ``DivergenceError``, as
         does a round whose server model is not finite (checked inside the compiled round).
         Either way the run stops before that round's state is checkpointed.
+      stop_on_divergence: False records a diverged run to the end instead of raising
+        (a learning-rate sweep that expects some runs to diverge).
 
     Returns:
       The ``History`` of evaluation records (restored ones included), with the final
-      algorithm state.
+      algorithm state and each round's wall time. Every record holds the round, the
+      evaluation, ``train_loss``, ``rejected_clients`` and every other metric the round
+      returned (the algorithm's and its aggregator's), as JSON values.
 
     Raises:
       DivergenceError: see ``max_rejected_fraction``.
@@ -288,39 +323,42 @@ def run(
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}.")
+    if eval_every < 1:
+        raise ValueError(f"eval_every must be >= 1, got {eval_every}.")
     if checkpoint_every < 0:
         raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}.")
     if (checkpoint_every or resume) and checkpoint_dir is None:
         raise ValueError("checkpoint_every > 0 and resume=True need a checkpoint_dir.")
-    if not 0.0 <= straggler_fraction <= 1.0:
-        raise ValueError(f"straggler_fraction must be in [0, 1], got {straggler_fraction}.")
     if not 0.0 <= max_rejected_fraction <= 1.0:
         raise ValueError(
             f"max_rejected_fraction must be in [0, 1], got {max_rejected_fraction}.")
-    cohort_size = len(sample_clients(0, train.num_clients, client_fraction))
-    if drop_stragglers and round(straggler_fraction * cohort_size) >= cohort_size:
-        raise ValueError(
-            f"drop_stragglers with straggler_fraction={straggler_fraction} makes all "
-            f"{cohort_size} clients of a cohort stragglers; a round could drop every client "
-            "(no weight to average). Use a smaller fraction or keep the stragglers."
-        )
+    if isinstance(source, ClientData):
+        missing = [name for name, value in (("client_fraction", client_fraction),
+                                            ("local_epochs", local_epochs),
+                                            ("batch_size", batch_size)) if value is None]
+        if missing:
+            raise ValueError(f"run on a ClientData needs {', '.join(missing)}.")
+        source = PartitionSource(source, client_fraction, local_epochs, batch_size, seed,
+                                 straggler_fraction, drop_stragglers)
+    elif (client_fraction, local_epochs, batch_size) != (None, None, None) or \
+            straggler_fraction or drop_stragglers:
+        raise ValueError("client_fraction, local_epochs, batch_size and the straggler options "
+                         "belong to a ClientData; a cohort source carries its own.")
+    pieces = algorithm.pieces
+    if client_state is not None:
+        if pieces is None or pieces.client_state is None:
+            raise ValueError("client_state needs an algorithm with per-client state "
+                             "(pieces.client_state), e.g. scaffold.")
+        if client_state.num_clients != source.num_clients:
+            raise ValueError(f"the client state store has {client_state.num_clients} rows, "
+                             f"the cohort source {source.num_clients} clients.")
     execution = execution or choose_execution(params=init_params)
-    sizes = train.sizes
-    # Fixed shapes for every round (no recompilation): B = ∞ is one full batch of the
-    # largest client, and S covers the largest client's E·⌈n_k/B⌉ steps.
-    batch = int(sizes.max()) if math.isinf(batch_size) else int(batch_size)
-    num_steps = num_local_steps(int(sizes.max()), local_epochs, batch)
     identity = None
     if checkpoint_every or resume:
-        identity = run_fingerprint(
-            init_params, train, execution, extra=fingerprint, rounds=rounds,
-            client_fraction=client_fraction, local_epochs=local_epochs,
-            batch_size=batch_size, seed=seed, eval_every=eval_every,
-            target_accuracy=target_accuracy, stop_at_target=stop_at_target,
-        )
-        if straggler_fraction or drop_stragglers:  # absent when off: older checkpoints match
-            identity.update(straggler_fraction=straggler_fraction,
-                            drop_stragglers=drop_stragglers)
+        identity = _identity(
+            init_params, execution, source, fingerprint, rounds=rounds, seed=seed,
+            eval_every=eval_every, target_accuracy=target_accuracy,
+            stop_at_target=stop_at_target)
 
     mesh = execution.mesh()
     pad_to = execution.devices if mesh is not None else 1
@@ -331,34 +369,44 @@ def run(
         home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         block_spec = jax.sharding.PartitionSpec(fed.CLIENTS_AXIS)
         client_block = jax.sharding.NamedSharding(mesh, block_spec)
-    # The training set lives on the device once, as 8-bit codes when it is exactly k/255
-    # image data; see fedax.simulation.device_data.
-    features = put_features(train.x, home)
-    x_all, table = features.values, features.table
-    y_all = jax.device_put(train.y.astype(np.int32), home)
+    placed = source.place(home)
 
-    # The training set is an argument of the compiled round, not a closed-over constant
-    # (embedding it in the program makes every compilation much slower). Under a mesh the
-    # cohort arrives sharded over clients, so each device gathers only its own clients.
-    def device_round(state, x_all, y_all, idx, mask, num_examples, client_ids, key):
-        x = cohort_features(x_all, table, idx, block_spec)
-        batches = Batches(x, take(y_all, idx, block_spec), mask)
-        state, metrics = algorithm.round(
-            state, CohortBatches(batches, num_examples, client_ids), key)
+    # What lives on the device for the whole run is an argument of the compiled round, not
+    # a closed-over constant (embedding it makes every compilation much slower). Under a
+    # mesh the cohort arrives sharded over clients, so each device gathers its own clients.
+    def device_round(state, placed, sharded, plain, key):
+        cohort = source.cohort(placed, sharded, plain, block_spec)
+        state, metrics = algorithm.round(state, cohort, key)
         metrics = dict(metrics)
         metrics["server_finite"] = _all_finite(algorithm.server_params(state))
         return state, metrics
 
+    def device_cohort_round(state, placed, sharded, plain, client_states, key):
+        cohort = source.cohort(placed, sharded, plain, block_spec)
+        state, metrics, client_states, written = cohort_round(pieces, state, cohort, key,
+                                                              client_states)
+        metrics = dict(metrics)
+        metrics["server_finite"] = _all_finite(algorithm.server_params(state))
+        return state, metrics, client_states, written
+
     def reached(record: dict[str, Any]) -> bool:
         return (stop_at_target and target_accuracy is not None
-                and record["test_accuracy"] >= target_accuracy)
+                and record.get("test_accuracy", -math.inf) >= target_accuracy)
 
     with use_execution(execution), _maybe_mesh(mesh):
-        round_fn = jax.jit(device_round, donate_argnums=(0,),
-                           compiler_options=compiler_options())
+        options = compiler_options()
+        if client_state is None:
+            round_fn = jax.jit(device_round, donate_argnums=(0,), compiler_options=options)
+        else:
+            round_fn = jax.jit(device_cohort_round, donate_argnums=(0,),
+                               compiler_options=options)
         # Trace now, inside the strategy context: the compiled program captures it.
         base_key = jax.random.key(seed)
-        state = algorithm.init(init_params, jax.random.fold_in(base_key, -1 & 0x7FFFFFFF))
+        init_key = jax.random.fold_in(base_key, -1 & 0x7FFFFFFF)
+        if client_state is None:
+            state = algorithm.init(init_params, init_key)
+        else:  # the per-client state lives in the store, not in the algorithm state
+            state = init_state(pieces, init_params)
         # Commit the state where the round leaves it, so round 2 does not recompile
         # (a copy: the round donates its state, and the caller keeps init_params usable).
         state = jax.device_put(jax.tree.map(jnp.copy, state), home)
@@ -367,6 +415,9 @@ def run(
         # Clients rejected since the last record, and the newest checkpoint's round.
         rejected_since_record, checkpoint_round = 0, None
         if resume:
+            if client_state is not None:
+                raise ValueError("resume with a host client-state store is not supported: "
+                                 "the store is not part of the checkpoint.")
             # The fresh state is the template: a restored state gets its structure (checked
             # leaf by leaf) and its placement, so the rounds compile and run as in a fresh run.
             restored = ckpt.latest_checkpoint(checkpoint_dir, state, identity)
@@ -390,23 +441,39 @@ def run(
         elif checkpoint_every:
             ckpt.remove_checkpoints(checkpoint_dir)
         done = first  # rounds finished and checked
+        last_settled = time.perf_counter()
 
-        def settle(dispatched) -> None:
-            """Wait for a dispatched round and check it; raise if it diverged."""
-            nonlocal rejected_since_record, done
-            number, metrics, real = dispatched
+        def settle(dispatched) -> dict[str, Any]:
+            """Wait for a dispatched round and check it; raise if it diverged. Writes the
+            accepted clients' new per-client state back to the host store."""
+            nonlocal rejected_since_record, done, last_settled
+            number, metrics, data, written = dispatched
+            if written is not None:
+                new_states, written = written
+                keep = np.asarray(written)[:len(data.ids)]
+                rows = [np.asarray(v)[:len(data.ids)][keep]
+                        for v in jax.device_get(jax.tree.leaves(new_states))]
+                client_state.scatter(data.ids[keep],
+                                     jax.tree.unflatten(client_state.treedef, rows))
+            metrics = jax.device_get(metrics)
+            now = time.perf_counter()
+            history.round_times.append(now - last_settled)
+            last_settled = now
             rejected = int(metrics.get("rejected_clients", 0))
             rejected_since_record += rejected
-            if not bool(metrics["server_finite"]):
+            if stop_on_divergence and not bool(metrics["server_finite"]):
                 raise DivergenceError(
                     f"round {number}: the server model is no longer finite (NaN or inf); "
                     "lower client_lr or server.lr", number)
-            if rejected > max_rejected_fraction * real:
+            if stop_on_divergence and rejected > max_rejected_fraction * data.real:
                 raise DivergenceError(
-                    f"round {number}: {rejected} of {real} clients sent non-finite updates, "
-                    f"more than max_rejected_fraction={max_rejected_fraction}; lower "
-                    "client_lr, or check those clients' data", number)
+                    f"round {number}: {rejected} of {data.real} clients sent non-finite "
+                    f"updates, more than max_rejected_fraction={max_rejected_fraction}; "
+                    "lower client_lr, or check those clients' data", number)
             done = number
+            for callback in round_callbacks:
+                callback(number, metrics, data)
+            return metrics
 
         start = time.perf_counter()
         bar = tqdm(range(first, rounds), desc="rounds", unit="round", disable=not progress,
@@ -414,49 +481,48 @@ def run(
         pending = None  # the last dispatched round, not yet checked
         try:
             for t in bar:
-                rng = np.random.default_rng([seed, t])
-                ids = sample_clients(rng, train.num_clients, client_fraction)
-                epochs: int | np.ndarray = local_epochs
-                if straggler_fraction:
-                    epochs = straggler_epochs(rng, len(ids), local_epochs, straggler_fraction)
-                cohort = make_cohort(train, ids, epochs, batch, rng, num_steps=num_steps)
-                if drop_stragglers and straggler_fraction:
-                    cohort = drop_stragglers_fn(cohort, epochs < local_epochs)
-                cohort = _pad_cohort(cohort, pad_to)
+                data = source.round_data(t, pad_to)
                 key = jax.random.fold_in(base_key, t)
-                idx, mask = cohort.idx, cohort.mask
-                if client_block is not None:  # each device receives its own clients' batches
-                    idx, mask = jax.device_put((idx, mask), client_block)
-                # The previous round is checked only now: its cohort was built on the host
-                # while the device computed it.
+                sharded = data.sharded
+                if client_block is not None and jax.tree.leaves(sharded):
+                    # each device receives its own clients' batches
+                    sharded = jax.device_put(sharded, client_block)
+                # The previous round is checked only now: this round's cohort was built on
+                # the host while the device computed it.
                 if pending is not None:
                     settle(pending)
                     pending = None
-                state, metrics = round_fn(
-                    state, x_all, y_all, idx, mask, cohort.num_examples, cohort.client_ids, key,
-                )
-                pending = (t + 1, metrics, len(ids))
+                if client_state is None:
+                    state, metrics = round_fn(state, placed, sharded, data.plain, key)
+                    pending = (t + 1, metrics, data, None)
+                else:
+                    states = _padded_rows(client_state.gather(data.ids), data.size)
+                    state, metrics, new_states, written = round_fn(
+                        state, placed, sharded, data.plain, jax.device_put(states, home), key)
+                    pending = (t + 1, metrics, data, (new_states, written))
                 evaluating = (t + 1) % eval_every == 0 or t + 1 == rounds
                 due = (t + 1) % checkpoint_every == 0 if checkpoint_every else False
                 if not (evaluating or due):
                     continue
-                settle(pending)  # never evaluate or save a round that diverged
+                metrics = settle(pending)  # never evaluate or save a round that diverged
                 pending = None
                 record, diverged, stop = None, False, False
                 if evaluating:
-                    acc, loss = evaluate(algorithm.server_params(state))
-                    record = {
-                        "round": t + 1,
-                        "test_accuracy": acc,
-                        "test_loss": loss,
-                        "train_loss": float(metrics["train_loss"]),
-                        "rejected_clients": rejected_since_record,
-                        "elapsed_s": elapsed_before + time.perf_counter() - start,
-                    }
+                    record = {"round": t + 1}
+                    if evaluate is not None:
+                        record.update(_evaluation(evaluate, algorithm.server_params(state)))
+                    record.setdefault("train_loss", float(metrics["train_loss"]))
+                    record["rejected_clients"] = rejected_since_record
+                    for name, value in round_metrics(metrics).items():
+                        record.setdefault(name, value)
+                    record["elapsed_s"] = elapsed_before + time.perf_counter() - start
                     rejected_since_record = 0
                     history.records.append(record)
-                    bar.set_postfix(acc=f"{acc:.4f}", loss=f"{loss:.3f}")
-                    diverged = not (math.isfinite(loss) and math.isfinite(record["train_loss"]))
+                    if isinstance(record.get("test_accuracy"), float):
+                        bar.set_postfix(acc=f"{record['test_accuracy']:.4f}")
+                    diverged = not all(
+                        math.isfinite(record[name]) for name in ("test_loss", "train_loss")
+                        if isinstance(record.get(name), float))
                     stop = reached(record)
                 # Save before the callbacks run: a callback that fails (or a kill while it
                 # runs) loses no finished round. A diverged state is not saved.
@@ -472,11 +538,11 @@ def run(
                     continue
                 for callback in callbacks:
                     callback(record)
-                if diverged:
+                if diverged and stop_on_divergence:
                     raise DivergenceError(
-                        f"round {t + 1}: the model diverged (test loss {record['test_loss']}, "
-                        f"train loss {record['train_loss']}); lower client_lr or server.lr",
-                        t + 1)
+                        f"round {t + 1}: the model diverged (test loss "
+                        f"{record.get('test_loss')}, train loss {record['train_loss']}); "
+                        "lower client_lr or server.lr", t + 1)
                 if stop:
                     break
             if pending is not None:
@@ -487,3 +553,10 @@ def run(
             bar.close()
     history.state = state
     return history
+
+
+def _padded_rows(values: Any, size: int) -> Any:
+    """Host per-client rows ``[n, ...]`` padded with zero rows to ``[size, ...]``."""
+    return jax.tree.map(
+        lambda v: np.concatenate([v, np.zeros((size - len(v), *v.shape[1:]), v.dtype)]),
+        values)

@@ -3,7 +3,9 @@
 At each round a fraction of the selected devices are stragglers: they run x ~ U[1, E] local
 epochs instead of E. FedProx aggregates their partial work; FedAvg drops them.
 
-In fedax both are expressed in the cohort, never in the algorithm:
+In fedax both are expressed in the cohort, never in the algorithm (the runner,
+``fedax.simulation.run(..., straggler_fraction, drop_stragglers)``, reshapes each round's
+cohort with the two functions here):
 
 * partial work: the data layer cuts each client's E_k = ``straggler_epochs(...)[k]`` epochs
   into its masks; the steps it did not take are padding, which local training skips. Every

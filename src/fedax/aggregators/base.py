@@ -1,0 +1,182 @@
+"""The aggregator interface: how the server combines what the clients send.
+
+An aggregator is a pure, stateful, keyed transformation in optax's shape, split where the
+placements split:
+
+* ``init(template) -> state``: ``template`` is one client's value (e.g. the model delta's
+  shapes), so the state may hold per-coordinate quantities.
+* ``client(value, weight, state, key) -> (value, weight, stats)``: *one client's* part,
+  run inside ``map_clients`` (in the simulator) or on the client's machine (a networked
+  runtime): clipping, quantization, an indicator bit. ``state`` is the server's state as
+  broadcast; ``stats`` is a pytree of per-client numbers, summed over the accepted clients
+  with a federated sum (one more value up per client) and handed to ``server``.
+* ``reduce(values, weights, state, key) -> (value, metrics)``: client-placed to
+  server-placed, written with the placement primitives (a weighted mean, a robust mean).
+* ``server(value, stats, state, key) -> (value, state, metrics)``: after the reduction, on
+  the server: noise, decoding, a state update from the summed ``stats`` (adaptive clipping).
+
+Any of the three may be None (identity / nothing). A *complete* aggregator has a ``reduce``;
+``chain`` composes parts (client stages in order, one reduction, server stages in order)
+into one complete aggregator, as ``optax.chain`` composes gradient transformations; its state
+is the tuple of the parts' states. ``aggregate`` runs a complete aggregator on client-placed
+values in one program (the simulator's way); a networked runtime calls ``client`` on each
+client and ``reduce``/``server`` on what arrives.
+
+Clients the server rejected (a non-finite update) arrive with weight 0 and zeros for values
+(``fedax.algorithms.base``), so no stage ever sees their NaN; a reduction must give a
+zero-weight client no influence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedax import federated as fed
+
+ClientFn = Callable[[Any, jax.Array, Any, jax.Array], tuple[Any, jax.Array, Any]]
+ReduceFn = Callable[[Any, jax.Array, Any, jax.Array], tuple[Any, dict[str, jax.Array]]]
+ServerFn = Callable[[Any, Any, Any, jax.Array], tuple[Any, Any, dict[str, jax.Array]]]
+
+
+class Aggregator(NamedTuple):
+    """An aggregator (or a part of one, for ``chain``); see the module docstring.
+
+    Attributes:
+      init: ``init(template) -> state``.
+      client: ``client(value, weight, state, key) -> (value, weight, stats)`` or None.
+      reduce: ``reduce(values, weights, state, key) -> (value, metrics)`` or None.
+      server: ``server(value, stats, state, key) -> (value, state, metrics)`` or None.
+    """
+
+    init: Callable[[Any], Any]
+    client: ClientFn | None = None
+    reduce: ReduceFn | None = None
+    server: ServerFn | None = None
+
+
+def no_state(template: Any) -> tuple:
+    """``init`` of a stateless aggregator."""
+    del template
+    return ()
+
+
+def _client_keys(key: jax.Array, num_clients: int) -> jax.Array:
+    """``[C, ...]`` raw key data, one independent key per client (``split`` of ``key``)."""
+    return jax.random.key_data(jax.random.split(key, num_clients))
+
+
+def _split(key: jax.Array | None, n: int):
+    """``n`` keys from ``key``; without a key (a caller that passes None), None each: a
+    stage that needs randomness then fails on its None key."""
+    return (None,) * n if key is None else tuple(jax.random.split(key, n))
+
+
+def _fold(key: jax.Array | None, i: int) -> jax.Array | None:
+    return None if key is None else jax.random.fold_in(key, i)
+
+
+def aggregate(
+    aggregator: Aggregator, values: Any, weights: jax.Array, state: Any, key: jax.Array,
+    keep: jax.Array | None = None,
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """Run a complete ``aggregator`` on client-placed ``values`` with ``weights [C]``.
+
+    The client stage runs inside ``map_clients`` with the state broadcast and a key per
+    client; its ``stats`` are summed over the clients where ``keep`` is True (default: all)
+    with ``fed.sum``. Returns ``(value, state, metrics)``, ``value`` server-placed.
+    """
+    if aggregator.reduce is None:
+        raise ValueError(
+            "this aggregator has no reduction (it is a stage): chain it with one, e.g. "
+            "fedax.aggregators.chain(stage, fedax.aggregators.mean())."
+        )
+    client_key, reduce_key, server_key = _split(key, 3)
+    stats = None
+    if aggregator.client is not None:
+        num_clients = weights.shape[0]
+        if key is None:
+            values, weights, stats = fed.map_clients(
+                lambda v, w, s: aggregator.client(v, w, s, None),
+                values, weights, fed.broadcast(state, num_clients))
+        else:
+            def one(value, weight, state, raw_key):
+                return aggregator.client(value, weight, state,
+                                         jax.random.wrap_key_data(raw_key))
+
+            values, weights, stats = fed.map_clients(
+                one, values, weights, fed.broadcast(state, num_clients),
+                _client_keys(client_key, num_clients),
+            )
+        if keep is not None:
+            stats = jax.tree.map(
+                lambda s: jnp.where(keep.reshape(keep.shape + (1,) * (s.ndim - 1)), s,
+                                    jnp.zeros((), s.dtype)), stats)
+        stats = fed.sum(stats) if jax.tree.leaves(stats) else stats
+    value, metrics = aggregator.reduce(values, weights, state, reduce_key)
+    metrics = dict(metrics)
+    if aggregator.server is not None:
+        value, state, more = aggregator.server(value, stats, state, server_key)
+        metrics = _merge(metrics, more)
+    return value, state, metrics
+
+
+def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    clash = set(a) & set(b)
+    if clash:
+        raise ValueError(f"two aggregator stages report the same metric(s) {sorted(clash)}.")
+    return {**a, **b}
+
+
+def chain(*parts: Aggregator) -> Aggregator:
+    """Compose aggregator parts into one complete aggregator.
+
+    Exactly one part has a ``reduce``; parts with a ``client`` stage come before it (they
+    act on each client's value in order), parts after it have no ``client`` stage. After the
+    reduction every part's ``server`` stage runs in the order given, each with the summed
+    ``stats`` of its own client stage. Keys are split per part; the state is a tuple.
+    Example: ``chain(clip_norm(1.0), mean())``, "clip each update, then average".
+    """
+    if not parts:
+        raise ValueError("chain needs at least one aggregator part.")
+    reducers = [i for i, p in enumerate(parts) if p.reduce is not None]
+    if len(reducers) != 1:
+        raise ValueError(
+            f"chain needs exactly one part with a reduction (e.g. mean()), got {len(reducers)}."
+        )
+    r = reducers[0]
+    late = [i for i, p in enumerate(parts) if p.client is not None and i > r]
+    if late:
+        raise ValueError(
+            f"chain part {late[0]} has a client stage after the reduction (part {r}); put "
+            "client stages before it."
+        )
+    clients = [i for i, p in enumerate(parts) if p.client is not None]
+    servers = [i for i, p in enumerate(parts) if p.server is not None]
+
+    def init(template):
+        return tuple(p.init(template) for p in parts)
+
+    def client(value, weight, state, key):
+        stats = {}
+        for i in clients:
+            value, weight, stats[i] = parts[i].client(
+                value, weight, state[i], _fold(key, i))
+        return value, weight, stats
+
+    def reduce(values, weights, state, key):
+        return parts[r].reduce(values, weights, state[r], _fold(key, r))
+
+    def server(value, stats, state, key):
+        state, metrics = list(state), {}
+        for i in servers:
+            part_stats = None if stats is None else stats.get(i)
+            value, state[i], more = parts[i].server(
+                value, part_stats, state[i], _fold(key, i))
+            metrics = _merge(metrics, more)
+        return value, tuple(state), metrics
+
+    return Aggregator(init, client if clients else None, reduce, server if servers else None)

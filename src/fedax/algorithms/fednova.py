@@ -1,0 +1,103 @@
+"""FedNova (Wang, Liu, Liang, Joshi, Poor, "Tackling the Objective Inconsistency Problem in
+Heterogeneous Federated Optimization", NeurIPS 2020), with plain local SGD.
+
+When clients take different numbers of local steps τ_i, FedAvg's mean of the updates
+x − y_i (each about τ_i steps long) in effect weighs client i by p_i τ_i, not p_i, so it
+converges to a stationary point of a different objective. FedNova averages *normalized*
+updates. With local SGD (the paper's a_i = [1, ..., 1], ‖a_i‖₁ = τ_i, the client's real
+local steps) client i runs its τ_i steps from x to y_i and sends its mean step
+
+    d_i = (x − y_i) / τ_i
+
+and with p_i = n_i / Σ_{j accepted} n_j the server takes
+
+    τ_eff = Σ_i p_i τ_i,        x ← x − η_g · τ_eff · Σ_i p_i d_i
+
+(the paper's update with the client learning rate inside d_i), as a server optimizer on the
+pseudo-gradient τ_eff Σ p_i d_i (``optax.sgd(η_g)``; default η_g = 1). With equal τ_i it is
+FedAvg exactly.
+
+In pieces: the update is d_i with weight n_i, through the aggregator (Σ p_i d_i by default);
+τ_eff takes two exact federated sums, Σ n_i τ_i and Σ n_i, which each client puts in ``sums``
+(summed over the same accepted clients; an aggregator may clip or noise the updates, never
+the sums). The round metric ``local_steps``, the n_k-weighted mean of τ_i, is τ_eff.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedax.aggregators import Aggregator
+from fedax.algorithms.base import (
+    ClientMessage,
+    FederatedAlgorithm,
+    RoundPieces,
+    compose,
+    default_aggregator,
+)
+from fedax.algorithms.fedavg import ServerState, server_sgd_pieces
+from fedax.client import Batches, LossFn, local_train
+
+
+def fednova(
+    loss_fn: LossFn,
+    client_lr: float,
+    server_optimizer: optax.GradientTransformation | None = None,
+    aggregator: Aggregator | None = None,
+) -> FederatedAlgorithm:
+    """FedNova with local SGD at ``client_lr`` and an optax server optimizer.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar``, the masked mean loss of one batch.
+      client_lr: the local learning rate η_l.
+      server_optimizer: applied to the pseudo-gradient τ_eff Σ p_i d_i; default
+        ``optax.sgd(1.0)``.
+      aggregator: combines the d_i with weights n_i; default the weighted mean Σ p_i d_i.
+
+    Returns:
+      A ``FederatedAlgorithm`` (state ``RoundState`` with server ``ServerState``). Metrics:
+      ``train_loss``, ``local_steps`` (τ_eff), ``rejected_clients`` and the aggregator's.
+    """
+    client_optimizer = optax.sgd(client_lr)
+    server_init, apply_server = server_sgd_pieces(server_optimizer or optax.sgd(1.0))
+
+    def client_update(x, client_state, batches: Batches, num_examples):
+        del client_state
+        result = local_train(loss_fn, x, batches, client_optimizer)
+        tau = result.num_steps  # τ_i; 0 for a padding client, whose d_i is then 0
+        d = jax.tree.map(
+            lambda a, b: (a - b) / jnp.maximum(tau, 1.0).astype(a.dtype), x, result.params)
+        stats = {"train_loss": result.loss, "local_steps": tau}
+        return ClientMessage(d, num_examples, stats, sums=(num_examples * tau, num_examples))
+
+    def server_update(server: ServerState, mean_d, sums):
+        weighted_steps, total = sums  # Σ n_i τ_i and Σ n_i over the accepted clients
+        tau_eff = weighted_steps / jnp.where(total > 0, total, 1.0)
+        pseudo_grad = jax.tree.map(lambda d: tau_eff.astype(d.dtype) * d, mean_d)
+        return apply_server(server, pseudo_grad, ())
+
+    pieces = RoundPieces(
+        server_init=server_init,
+        payload=lambda server: server.params,
+        client_update=client_update,
+        server_update=server_update,
+        server_params=lambda server: server.params,
+        aggregator=default_aggregator(aggregator),
+    )
+    return compose(pieces)
+
+
+def make_fednova(
+    loss_fn: LossFn,
+    *,
+    num_clients: int,
+    client_lr: float,
+    server_optimizer: optax.GradientTransformation | None = None,
+    aggregator: Aggregator | None = None,
+) -> FederatedAlgorithm:
+    """The registry's factory (``fedax.algorithms.ALGORITHMS``); FedNova keeps no
+    per-client state, so ``num_clients`` is unused."""
+    del num_clients
+    return fednova(loss_fn, client_lr, server_optimizer, aggregator)
