@@ -13,7 +13,7 @@ from fedax.algorithms import fedavg
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.simulation import Execution, run
 from fedax.simulation import device_data as dd
-from fedax.simulation import runner as runner_module
+from fedax.simulation import sources as sources_module
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_runs_on_codes_equal_runs_on_floats_bit_for_bit(monkeypatch, mnist_small
         return history.state.server.params, history.records[-1]["train_loss"]
 
     compact_params, compact_loss = once()
-    monkeypatch.setattr(runner_module, "put_features",
+    monkeypatch.setattr(sources_module, "put_features",
                         functools.partial(dd.put_features, compact=False))
     float_params, float_loss = once()
     assert compact_loss == float_loss

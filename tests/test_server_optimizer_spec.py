@@ -314,7 +314,8 @@ def _assert_same(a, b):
 def test_every_entry_declares_its_options_and_implied_server_optimizer():
     implied = {name: spec.server_optimizer for name, spec in ALGORITHMS.items()}
     assert implied == {"fedavg": None, "fedsgd": None, "fedprox": None, "scaffold": None,
-                       "scaffold_option1": None, "fedadagrad": "adagrad", "fedadam": "adam",
+                       "scaffold_option1": None, "fednova": None, "fedadagrad": "adagrad",
+                       "fedadam": "adam",
                        "fedyogi": "yogi", "fedamsgrad": "amsgrad", "fedavgm": "momentum"}
     assert dict(ALGORITHMS["fedprox"].options) == {"mu": 0.01}
     assert dict(ALGORITHMS["scaffold"].options) == {"weighting": "uniform"}

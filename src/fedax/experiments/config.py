@@ -24,6 +24,7 @@ so ``server.optimizer`` is then absent or that name; otherwise it defaults to ``
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import types
@@ -111,6 +112,24 @@ class _ServerSection(_Section):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
+def _server_lr(limits: Hyperparameter, value: Any) -> float | str | None:
+    """``server.lr``: a number in its range, or ``"learned"``."""
+    if value is None or value == "learned":
+        return value
+    number = _float_from_string(value)
+    if isinstance(number, bool) or not isinstance(number, (int, float)) \
+            or not math.isfinite(number):
+        raise ValueError(f"must be a number > 0 or 'learned', got {value!r}")
+    for bound, ok in (("gt", number > (limits.gt or 0)), ("ge", number >= (limits.ge or 0)),
+                      ("lt", number < (limits.lt or math.inf)),
+                      ("le", number <= (limits.le or math.inf))):
+        if getattr(limits, bound) is not None and not ok:
+            sign = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}[bound]
+            raise ValueError(f"must be {sign} {getattr(limits, bound)} (or 'learned'), "
+                             f"got {number!r}")
+    return float(number)
+
+
 def _server_fields() -> dict[str, Any]:
     """``optimizer`` and every hyperparameter of every server optimizer, each optional."""
     hyperparameters: dict[str, Hyperparameter] = {}  # same range in every optimizer (tested)
@@ -129,9 +148,8 @@ def _server_fields() -> dict[str, Any]:
         if h.kind is bool:
             fields[key] = (bool | None, None)
         elif key == "lr":  # a number, or "learned" (by hypergradient: see learned_lr)
-            fields[key] = (Annotated[Number, Field(gt=h.gt, ge=h.ge, lt=h.lt, le=h.le,
-                                                   allow_inf_nan=False)]
-                           | Literal["learned"] | None, None)
+            fields[key] = (Annotated[Any, PlainValidator(functools.partial(_server_lr, h))],
+                           None)
         else:
             fields[key] = (Number | None, Field(None, gt=h.gt, ge=h.ge, lt=h.lt, le=h.le,
                                                 allow_inf_nan=False))
@@ -542,8 +560,12 @@ def load_config(path: str | PathLike[str], overrides: Iterable[str] = ()) -> Con
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:
-    """A JSON-serializable dict of ``config`` (B = inf as ``"inf"``); it validates back."""
-    return config.model_dump(mode="json")
+    """A JSON-serializable dict of ``config`` (B = inf as ``"inf"``); it validates back.
+    ``learned_lr`` appears only with ``server.lr: learned`` (it applies only then)."""
+    data = config.model_dump(mode="json")
+    if config.server.lr != "learned":
+        data.pop("learned_lr")
+    return data
 
 
 def check_against_data(config: Config, client_sizes: Sequence[int]) -> None:
