@@ -39,6 +39,15 @@ def tiny(tmp_path, monkeypatch):
 def test_version(tmp_path):
     done = run_fedax("--version", cwd=tmp_path, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == f"fedax {fedax.__version__}"
+    # The command's module loads no JAX until a command needs it (--version, --help and
+    # usage errors answer at once).
+    import subprocess
+    import sys
+
+    probe = subprocess.run([sys.executable, "-c", "import sys, fedax.cli.main; "
+                            "print(sorted(m for m in ('jax', 'optax') if m in sys.modules))"],
+                           capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "[]", probe.stderr
 
 
 def test_usage_errors_are_one_line(capsys):

@@ -26,7 +26,7 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
-from fedax.experiments.config import ConfigError, load_config
+from fedax.experiments.errors import ConfigError
 
 # The paper's rounds to 97% for the 2NN on pathological non-IID MNIST with C = 0.1, E = 1
 # (McMahan et al. 2017, Table 1): B = ∞ (FedSGD) 1796 rounds, B = 10 (FedAvg) 664 rounds.
@@ -195,6 +195,7 @@ def _inside(path: Path, directory: Path) -> bool:
 
 
 def cmd_run(args) -> int:
+    from fedax.experiments.config import load_config
     from fedax.experiments.run import dumps, run_experiment, strict_json
     from fedax.simulation.checkpoint import CheckpointError
 
@@ -275,6 +276,8 @@ def cmd_demo(args) -> int:
     from fedax.simulation import History
 
     out = Path(args.out)
+    from fedax.experiments.config import load_config
+
     configs = [load_config(resolve_config(name), args.set) for _, name, _ in DEMO_RUNS]
     plans = [_demo_plan(out / name, config, args.overwrite)
              for (_, name, _), config in zip(DEMO_RUNS, configs, strict=True)]

@@ -56,10 +56,7 @@ from fedax.algorithms import (
     resolve_server_optimizer,
 )
 from fedax.algorithms.server_optimizers import Hyperparameter, ResolvedServerOptimizer
-
-
-class ConfigError(ValueError):
-    """An invalid config; the message is one line naming the key and what is allowed."""
+from fedax.experiments.errors import ConfigError
 
 
 class _KeyedError(ValueError):
