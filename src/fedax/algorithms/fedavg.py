@@ -41,20 +41,31 @@ class ServerState(NamedTuple):
     opt_state: Any
 
 
-def server_sgd_pieces(server_optimizer: optax.GradientTransformation):
-    """``server_init`` and ``server_update`` shared by FedAvg and FedSGD: apply
-    ``server_optimizer`` to the aggregate, the pseudo-gradient."""
+def model_pieces(
+    client_update: Callable[..., ClientMessage],
+    server_optimizer: optax.GradientTransformation | None = None,
+    aggregator: Aggregator | None = None,
+    *,
+    pseudo_gradient: Callable[[Any, Any], Any] | None = None,
+    reweigh: Callable[[jax.Array, dict[str, jax.Array]], jax.Array] | None = None,
+) -> RoundPieces:
+    """The pieces of the FedAvg family around ``client_update``: the server holds the model
+    and its optimizer state (``ServerState``), broadcasts the model, and applies
+    ``server_optimizer`` (default ``optax.sgd(1.0)``) to the pseudo-gradient: the
+    aggregate, or ``pseudo_gradient(aggregate, sums)``."""
+    server_optimizer = server_optimizer or optax.sgd(1.0)
 
     def server_init(params):
         return ServerState(params, server_optimizer.init(params))
 
-    def server_update(server: ServerState, pseudo_grad, sums):
-        del sums
-        updates, opt_state = server_optimizer.update(pseudo_grad, server.opt_state,
-                                                     server.params)
+    def server_update(server: ServerState, aggregate, sums):
+        grad = aggregate if pseudo_gradient is None else pseudo_gradient(aggregate, sums)
+        updates, opt_state = server_optimizer.update(grad, server.opt_state, server.params)
         return ServerState(optax.apply_updates(server.params, updates), opt_state), {}
 
-    return server_init, server_update
+    return RoundPieces(server_init, lambda server: server.params, client_update, server_update,
+                       lambda server: server.params, default_aggregator(aggregator),
+                       reweigh=reweigh)
 
 
 def fedavg(
@@ -92,8 +103,6 @@ def fedavg(
       (clients whose update or loss was not finite: they are left out of the aggregate; see
       ``accept_finite``) and the aggregator's metrics.
     """
-    server_init, server_update = server_sgd_pieces(server_optimizer or optax.sgd(1.0))
-
     def client_update(params, client_state, batches: Batches, num_examples):
         del client_state
         objective = loss_fn if client_objective is None else client_objective(loss_fn, params)
@@ -107,13 +116,4 @@ def fedavg(
         def reweigh(weights, stats):
             return client_weights(weights, stats["train_loss"])
 
-    pieces = RoundPieces(
-        server_init=server_init,
-        payload=lambda server: server.params,
-        client_update=client_update,
-        server_update=server_update,
-        server_params=lambda server: server.params,
-        aggregator=default_aggregator(aggregator),
-        reweigh=reweigh,
-    )
-    return compose(pieces)
+    return compose(model_pieces(client_update, server_optimizer, aggregator, reweigh=reweigh))

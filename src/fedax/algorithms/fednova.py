@@ -30,14 +30,8 @@ import jax.numpy as jnp
 import optax
 
 from fedax.aggregators import Aggregator
-from fedax.algorithms.base import (
-    ClientMessage,
-    FederatedAlgorithm,
-    RoundPieces,
-    compose,
-    default_aggregator,
-)
-from fedax.algorithms.fedavg import ServerState, server_sgd_pieces
+from fedax.algorithms.base import ClientMessage, FederatedAlgorithm, compose
+from fedax.algorithms.fedavg import model_pieces
 from fedax.client import Batches, LossFn, local_train
 
 
@@ -61,7 +55,6 @@ def fednova(
       ``train_loss``, ``local_steps`` (τ_eff), ``rejected_clients`` and the aggregator's.
     """
     client_optimizer = optax.sgd(client_lr)
-    server_init, apply_server = server_sgd_pieces(server_optimizer or optax.sgd(1.0))
 
     def client_update(x, client_state, batches: Batches, num_examples):
         del client_state
@@ -72,21 +65,13 @@ def fednova(
         stats = {"train_loss": result.loss, "local_steps": tau}
         return ClientMessage(d, num_examples, stats, sums=(num_examples * tau, num_examples))
 
-    def server_update(server: ServerState, mean_d, sums):
+    def pseudo_gradient(mean_d, sums):
         weighted_steps, total = sums  # Σ n_i τ_i and Σ n_i over the accepted clients
         tau_eff = weighted_steps / jnp.where(total > 0, total, 1.0)
-        pseudo_grad = jax.tree.map(lambda d: tau_eff.astype(d.dtype) * d, mean_d)
-        return apply_server(server, pseudo_grad, ())
+        return jax.tree.map(lambda d: tau_eff.astype(d.dtype) * d, mean_d)
 
-    pieces = RoundPieces(
-        server_init=server_init,
-        payload=lambda server: server.params,
-        client_update=client_update,
-        server_update=server_update,
-        server_params=lambda server: server.params,
-        aggregator=default_aggregator(aggregator),
-    )
-    return compose(pieces)
+    return compose(model_pieces(client_update, server_optimizer, aggregator,
+                                pseudo_gradient=pseudo_gradient))
 
 
 def make_fednova(

@@ -20,15 +20,8 @@ import jax.numpy as jnp
 import optax
 
 from fedax.aggregators import Aggregator
-from fedax.algorithms.base import (
-    ClientMessage,
-    FederatedAlgorithm,
-    RoundPieces,
-    client_mean_loss,
-    compose,
-    default_aggregator,
-)
-from fedax.algorithms.fedavg import server_sgd_pieces
+from fedax.algorithms.base import ClientMessage, FederatedAlgorithm, client_mean_loss, compose
+from fedax.algorithms.fedavg import model_pieces
 from fedax.client import LossFn
 
 
@@ -41,25 +34,16 @@ def fedsgd(
     """FedSGD. The cohort must hold each client's data as full batches (B = ∞, E = 1):
     every real step of a client contributes the gradient of its loss on that batch. The
     aggregator (default: the n_k-weighted mean) combines the clients' gradients."""
-    server_init, sgd_update = server_sgd_pieces(server_optimizer or optax.sgd(1.0))
     client_grad = jax.value_and_grad(functools.partial(client_mean_loss, loss_fn))
 
     def client_update(params, client_state, batches, num_examples):
         del client_state
         loss, grad = client_grad(params, batches)
-        return ClientMessage(grad, num_examples, {"train_loss": loss})
+        stats = {"train_loss": loss, "local_steps": jnp.ones((), jnp.float32)}
+        return ClientMessage(grad, num_examples, stats)
 
-    def server_update(server, mean_grad, sums):
-        pseudo_grad = jax.tree.map(lambda g: client_lr * g, mean_grad)
-        server, metrics = sgd_update(server, pseudo_grad, sums)
-        return server, dict(metrics, local_steps=jnp.ones((), jnp.float32))
+    def pseudo_gradient(mean_grad, sums):
+        return jax.tree.map(lambda g: client_lr * g, mean_grad)
 
-    pieces = RoundPieces(
-        server_init=server_init,
-        payload=lambda server: server.params,
-        client_update=client_update,
-        server_update=server_update,
-        server_params=lambda server: server.params,
-        aggregator=default_aggregator(aggregator),
-    )
-    return compose(pieces)
+    return compose(model_pieces(client_update, server_optimizer, aggregator,
+                                pseudo_gradient=pseudo_gradient))
