@@ -1,7 +1,8 @@
 """fedax: federated learning in JAX.
 
 The layers are subpackages (``fedax.federated``, ``fedax.data``, ``fedax.models``,
-``fedax.client``, ``fedax.algorithms``, ``fedax.hyper``, ``fedax.simulation``); the most used
+``fedax.client``, ``fedax.aggregators``, ``fedax.privacy``, ``fedax.algorithms``,
+``fedax.hyper``, ``fedax.simulation``); the most used
 names are also here: ``fedavg``, ``fedsgd``, ``fedprox``, ``scaffold``, ``get_model``,
 ``ClientData``, ``make_cohort``, ``cohort_batches`` and ``run`` (the simulation runner).
 
@@ -17,7 +18,8 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("algorithms", "client", "data", "federated", "hyper", "models", "simulation")
+_SUBPACKAGES = ("aggregators", "algorithms", "client", "data", "federated", "hyper", "models",
+                "privacy", "simulation")
 _NAMES = {  # name -> the subpackage that defines it
     "ClientData": "data",
     "cohort_batches": "simulation",
@@ -31,13 +33,25 @@ _NAMES = {  # name -> the subpackage that defines it
 }
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ loads these
-    from fedax import algorithms, client, data, federated, hyper, models, simulation
+    from fedax import (
+        aggregators,
+        algorithms,
+        client,
+        data,
+        federated,
+        hyper,
+        models,
+        privacy,
+        simulation,
+    )
     from fedax.algorithms import fedavg, fedprox, fedsgd, scaffold
     from fedax.data import ClientData, make_cohort
     from fedax.models import get_model
     from fedax.simulation import cohort_batches, run
 
 __all__ = [
+    "aggregators",
+    "privacy",
     "ClientData",
     "__version__",
     "algorithms",

@@ -12,3 +12,15 @@ from fedax.aggregators.clipping import clip_norm
 from fedax.aggregators.mean import mean, total
 
 __all__ = ["Aggregator", "aggregate", "chain", "clip_norm", "mean", "no_state", "total"]
+
+# User-level differential privacy (DP-FedAvg): fixed clip, adaptive quantile clip, AdaCliP.
+from fedax.aggregators.adaclip import AdaClipState, adaclip, adaclip_scale  # noqa: E402
+from fedax.aggregators.adaptive_clipping import (  # noqa: E402
+    QuantileClipState,
+    dp_adaptive_gaussian,
+    split_noise_multiplier,
+)
+from fedax.aggregators.dp import dp_gaussian, per_layer_clips  # noqa: E402
+
+__all__ += ["AdaClipState", "QuantileClipState", "adaclip", "adaclip_scale",
+            "dp_adaptive_gaussian", "dp_gaussian", "per_layer_clips", "split_noise_multiplier"]

@@ -1,4 +1,5 @@
-"""The ``fedax`` command: ``run``, ``demo``, ``reproduce`` and ``data fetch``.
+"""The ``fedax`` command: ``run``, ``demo``, ``reproduce``, ``data fetch`` and
+``privacy epsilon`` / ``privacy noise`` (DP accounting with dp-accounting).
 
 Results are never lost: ``run`` writes into a new directory by default
 (``runs/<config>-<YYYYmmdd-HHMMSS>``) and refuses a directory that already holds a run
@@ -381,6 +382,69 @@ def cmd_data_fetch(args) -> int:
     return 0
 
 
+def _round_up(value: float, digits: int = 6) -> str:
+    """``value`` to ``digits`` significant digits, rounded up (a printed ε never understates
+    the privacy loss, nor a printed z the noise needed)."""
+    from decimal import ROUND_CEILING, Decimal
+
+    if value == 0 or not value < float("inf"):
+        return f"{value:g}"
+    exact = Decimal(value)
+    rounded = exact.quantize(Decimal(1).scaleb(exact.adjusted() - digits + 1),
+                             rounding=ROUND_CEILING)
+    rounded = rounded.normalize()
+    return f"{rounded:f}" if abs(exact.adjusted()) < 6 else f"{rounded:g}"
+
+
+_PRIVACY_FLAGS = {"sampling_probability": "--q", "target_epsilon": "--epsilon",
+                  "noise_multiplier": "--z", "extra_releases_per_round": "--extra-releases",
+                  "population": "--population", "rounds": "--rounds", "delta": "--delta"}
+
+
+def _privacy_error(err: ValueError) -> CommandError:
+    """The library's message, naming the command's flags instead of its arguments."""
+    name, _, rest = str(err).partition(" ")
+    text = f"{_PRIVACY_FLAGS.get(name, name)} {rest}".replace("accountant='rdp'",
+                                                               "--accountant rdp")
+    return CommandError(text, 2)
+
+
+def _privacy_options(args) -> dict:
+    return {"accountant": args.accountant, "sampling": args.sampling,
+            "population": args.population, "extra_releases_per_round": args.extra_releases}
+
+
+def cmd_privacy_epsilon(args) -> int:
+    from fedax.privacy import describe, epsilon
+
+    options = _privacy_options(args)
+    try:
+        eps = epsilon(args.z, args.q, args.rounds, args.delta, **options)
+        assumes = describe(args.z, args.q, **options)
+    except ValueError as err:
+        raise _privacy_error(err) from err
+    print(f"epsilon = {_round_up(eps)} at delta = {args.delta:g} after {args.rounds} rounds")
+    print(f"assumes: {assumes}")
+    return 0
+
+
+def cmd_privacy_noise(args) -> int:
+    from fedax.privacy import describe, epsilon, noise_multiplier_for
+
+    options = _privacy_options(args)
+    try:
+        z = float(_round_up(noise_multiplier_for(args.epsilon, args.q, args.rounds, args.delta,
+                                                 **options)))
+        eps = epsilon(z, args.q, args.rounds, args.delta, **options)
+        assumes = describe(z, args.q, **options)
+    except ValueError as err:
+        raise _privacy_error(err) from err
+    print(f"noise multiplier z = {_round_up(z)} (epsilon = {_round_up(eps)} <= "
+          f"{args.epsilon:g} at delta = {args.delta:g} after {args.rounds} rounds)")
+    print(f"assumes: {assumes}")
+    return 0
+
+
 # ------------------------------------------------------------------------------ parser
 
 
@@ -476,6 +540,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     fetch.add_argument("name", choices=DATASET_NAMES)
     fetch.set_defaults(func=cmd_data_fetch)
+
+    privacy = sub.add_parser("privacy", help="differential privacy accounting (dp-accounting)",
+                             parents=[common])
+    privacy_sub = privacy.add_subparsers(dest="privacy_command", required=True)
+    accounting = argparse.ArgumentParser(add_help=False)
+    accounting.add_argument("--q", type=float, required=True,
+                            help="sampling probability: the fraction of clients per round")
+    accounting.add_argument("--rounds", type=int, required=True, metavar="T",
+                            help="number of rounds")
+    accounting.add_argument("--delta", type=float, required=True,
+                            help="the delta of (epsilon, delta)-DP; well below 1/N")
+    accounting.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
+                            help="RDP (default, conservative) or PLD (tighter, slower)")
+    accounting.add_argument("--sampling", choices=("poisson", "fixed"), default="poisson",
+                            help="poisson (default; add-or-remove-one neighbours) or fixed: "
+                                 "q*N of N clients without replacement (RDP, replace-one "
+                                 "neighbours; needs --population)")
+    accounting.add_argument("--population", type=int, metavar="N",
+                            help="number of clients (checks delta < 1/N)")
+    accounting.add_argument("--extra-releases", type=int, default=0, metavar="K",
+                            help="more Gaussian releases per round on the same cohort, at the "
+                                 "same z (e.g. a hypergradient's noised sum)")
+    eps = privacy_sub.add_parser("epsilon", help="epsilon of T rounds of DP-FedAvg",
+                                 parents=[common, accounting])
+    eps.add_argument("--z", type=float, required=True,
+                     help="noise multiplier: noise stddev over the clip norm")
+    eps.set_defaults(func=cmd_privacy_epsilon)
+    noise = privacy_sub.add_parser("noise", help="the noise multiplier z for a target epsilon",
+                                   parents=[common, accounting])
+    noise.add_argument("--epsilon", type=float, required=True,
+                       help="the target epsilon after T rounds")
+    noise.set_defaults(func=cmd_privacy_noise)
     return parser
 
 

@@ -4,6 +4,7 @@
 they are re-exported here because ``Batches.x`` may be ``ByteCoded``.
 """
 
+from fedax.client.dp_sgd import dp_gradient, dp_local_train
 from fedax.client.local_training import (
     Batches,
     LocalResult,
@@ -24,6 +25,8 @@ __all__ = [
     "LossFn",
     "current_steps_strategy",
     "decoded",
+    "dp_gradient",
+    "dp_local_train",
     "local_train",
     "mean_gradient",
     "steps_strategy",

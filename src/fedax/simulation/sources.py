@@ -93,7 +93,13 @@ class PartitionSource:
     travels as example indices ``[C, S, B]`` plus masks, gathered inside the round.
 
     ``straggler_fraction`` and ``drop_stragglers``: FedProx's systems heterogeneity (see
-    ``fedax.simulation.run``)."""
+    ``fedax.simulation.run``).
+
+    ``sampling="poisson"``: instead, every client joins round t independently with
+    probability q = ``client_fraction`` (McMahan et al. 2018's sampling, which the privacy
+    accountant's Poisson figures assume); the cohort's size varies, and it is padded with
+    empty clients to a fixed capacity, the size exceeded with probability below 1e-9, so
+    the round compiles once (a round that draws more raises, never truncates)."""
 
     train: ClientData
     client_fraction: float
@@ -102,6 +108,7 @@ class PartitionSource:
     seed: int = 0
     straggler_fraction: float = 0.0
     drop_stragglers: bool = False
+    sampling: str = "fixed"
     _table: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
@@ -117,14 +124,35 @@ class PartitionSource:
             )
         self.batch, self.num_steps = _steps(int(self.train.sizes.max()), self.local_epochs,
                                             self.batch_size)
+        if self.sampling not in ("fixed", "poisson"):
+            raise ValueError(f"sampling must be 'fixed' or 'poisson', got {self.sampling!r}.")
+        self.capacity = None
+        if self.sampling == "poisson":
+            if not 0.0 < self.client_fraction <= 1.0:
+                raise ValueError("Poisson sampling needs client_fraction (q) in (0, 1], got "
+                                 f"{self.client_fraction}.")
+            from scipy.stats import binom
+
+            n, q = self.train.num_clients, float(self.client_fraction)
+            self.capacity = max(int(binom.isf(1e-9, n, q)) + 1, 1) if q < 1 else n
 
     @property
     def num_clients(self) -> int:
         return self.train.num_clients
 
+    def _poisson_ids(self, rng: np.random.Generator, t: int) -> np.ndarray:
+        ids = np.nonzero(rng.random(self.train.num_clients) < self.client_fraction)[0]
+        if len(ids) > self.capacity:
+            raise RuntimeError(
+                f"round {t}: Poisson sampling drew {len(ids)} clients, more than the cohort "
+                f"capacity {self.capacity} (probability < 1e-9); rerun with another seed.")
+        return ids.astype(np.int64)
+
     def identity(self) -> dict[str, Any]:
         items = {"client_fraction": self.client_fraction, "local_epochs": self.local_epochs,
                  "batch_size": self.batch_size, "seed": self.seed}
+        if self.sampling != "fixed":  # absent when fixed: older checkpoints match
+            items["sampling"] = self.sampling
         if self.straggler_fraction or self.drop_stragglers:  # absent when off
             items.update(straggler_fraction=self.straggler_fraction,
                          drop_stragglers=self.drop_stragglers)
@@ -140,7 +168,13 @@ class PartitionSource:
 
     def round_data(self, t: int, pad_to: int) -> RoundData:
         rng = np.random.default_rng([self.seed, t])
-        ids = sample_clients(rng, self.train.num_clients, self.client_fraction)
+        if self.sampling == "poisson":
+            ids = self._poisson_ids(rng, t)
+        else:
+            ids = sample_clients(rng, self.train.num_clients, self.client_fraction)
+        real = len(ids)
+        if real == 0:  # nobody joined: one empty client (n_k = 0, no real steps)
+            ids = np.zeros(1, np.int64)
         epochs: int | np.ndarray = self.local_epochs
         if self.straggler_fraction:
             epochs = straggler_epochs(rng, len(ids), self.local_epochs,
@@ -149,9 +183,15 @@ class PartitionSource:
                              num_steps=self.num_steps)
         if self.drop_stragglers and self.straggler_fraction:
             cohort = drop_stragglers(cohort, epochs < self.local_epochs)
+        if real == 0:
+            cohort = cohort._replace(mask=np.zeros_like(cohort.mask),
+                                     num_examples=np.zeros_like(cohort.num_examples))
+        if self.capacity is not None:  # a fixed shape for every round
+            cohort = pad_cohort(cohort, self.capacity) if len(ids) < self.capacity else cohort
+            cohort = Cohort(*(a[:self.capacity] for a in cohort))
         cohort = pad_cohort(cohort, pad_to)
         return RoundData((cohort.idx, cohort.mask), (cohort.num_examples, cohort.client_ids),
-                         np.asarray(ids), len(ids), len(cohort.client_ids))
+                         np.asarray(ids[:real]), real, len(cohort.client_ids))
 
     def cohort(self, placed, sharded, plain, block_spec) -> CohortBatches:
         x_all, y_all = placed

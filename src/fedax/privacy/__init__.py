@@ -1,0 +1,35 @@
+"""Differential privacy accounting: the ε of a DP-FedAvg run, from Google's dp-accounting.
+
+    eps = epsilon(noise_multiplier=1.0, sampling_probability=0.01, rounds=1000, delta=1e-5)
+    z = noise_multiplier_for(2.0, sampling_probability=0.01, rounds=1000, delta=1e-5)
+    ledger = PrivacyLedger(1.0, 0.01, 1e-5)
+    ledger.epsilon_after(500), ledger.rounds_within(2.0)
+
+No accountant is written here: ``accounting`` builds the dp-accounting event of the rounds
+(the subsampled Gaussian mechanism, user-level) and asks dp-accounting's RDP or PLD
+accountant for ε. Nothing here imports JAX or the rest of fedax.
+"""
+
+from fedax.privacy.accounting import (
+    ACCOUNTANTS,
+    SAMPLINGS,
+    PrivacyLedger,
+    adaptive_clip_noise_multipliers,
+    describe,
+    dp_event,
+    effective_noise_multiplier,
+    epsilon,
+    noise_multiplier_for,
+)
+
+__all__ = [
+    "ACCOUNTANTS",
+    "SAMPLINGS",
+    "PrivacyLedger",
+    "adaptive_clip_noise_multipliers",
+    "describe",
+    "dp_event",
+    "effective_noise_multiplier",
+    "epsilon",
+    "noise_multiplier_for",
+]

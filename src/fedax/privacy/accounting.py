@@ -1,0 +1,482 @@
+"""ε for DP-FedAvg (McMahan et al. 2018): Google's dp-accounting, not a hand-written accountant.
+
+A round of user-level DP federated averaging samples a cohort, clips each client's update to
+C, sums, and adds Gaussian noise of standard deviation z·C (z: the noise multiplier). Over T
+rounds that is T compositions of the subsampled Gaussian mechanism, which ``dp_event``
+writes as a dp-accounting ``DpEvent`` and ``epsilon`` hands to dp-accounting's RDP
+accountant (Mironov's Rényi DP; conservative) or PLD accountant (privacy loss distributions;
+tighter, slower). Which one produced a reported ε matters, so every function names it, and
+``describe`` says in words what a figure assumes.
+
+Sampling, and the neighbouring relation each one is accounted under:
+
+* ``"poisson"`` (the default; McMahan et al.'s and TFF's): every client takes part in a round
+  independently with probability q, so cohorts vary in size around q·N.
+  ``PoissonSampledDpEvent(q, Gaussian(z))``, neighbours differ by adding or removing one
+  client's data (ADD_OR_REMOVE_ONE). RDP and PLD.
+* ``"fixed"``: each round draws exactly m = q·N of the N clients without replacement (what
+  ``make_cohort`` does). dp-accounting accounts this only with RDP and only under
+  REPLACE_ONE (neighbours differ by one client's data replaced, N public):
+  ``SampledWithoutReplacementDpEvent(N, m, Gaussian(z/2))``. The z/2: a noise multiplier is
+  the noise's standard deviation over the sensitivity, and replacing one client's clipped
+  update moves the sum by up to 2C, not C. PLD has no event for it (a ValueError says so).
+
+A round may release more than one Gaussian on the same cohort: ``noise_multiplier`` may be
+a sequence of multipliers, one per release (adaptive quantile clipping's pair, see
+``adaptive_clip_noise_multipliers``), and ``extra_releases_per_round`` adds that many more at
+the round's effective multiplier (e.g. a reverse-mode hypergradient's extra clipped and
+noised sum). Gaussian releases on the same sample compose to one Gaussian with
+z = (Σ z_i⁻²)^(-1/2) (exactly: a vector of independent Gaussians), so the PLD accountant is
+given that single Gaussian, while the RDP accountant is given the releases as a
+``ComposedDpEvent`` and does the same reduction itself.
+
+Nothing here imports JAX or the rest of fedax; the functions are pure and memoized.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import warnings
+from collections.abc import Sequence
+
+import dp_accounting
+from dp_accounting import mechanism_calibration, pld, rdp
+
+ACCOUNTANTS = ("rdp", "pld")
+SAMPLINGS = ("poisson", "fixed")
+PLD_DISCRETIZATION = 1e-4  # dp-accounting's default value_discretization_interval
+_MAX_DOUBLINGS = 64
+
+
+# ------------------------------------------------------------------------------ validation
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _multipliers(noise_multiplier) -> tuple[float, ...]:
+    """The per-round noise multipliers as a tuple of floats, each finite and >= 0."""
+    if isinstance(noise_multiplier, Sequence) and not isinstance(noise_multiplier, str):
+        values = tuple(noise_multiplier)
+        if not values:
+            raise ValueError("noise_multiplier must be a number or a non-empty sequence of "
+                             "numbers (one per Gaussian release in a round), got ()")
+    else:
+        values = (noise_multiplier,)
+    out = []
+    for z in values:
+        z = _number("noise_multiplier", z)
+        if not (math.isfinite(z) and z >= 0):
+            raise ValueError(f"noise_multiplier must be a finite number >= 0, got {z}")
+        out.append(z)
+    return tuple(out)
+
+
+def _probability(q) -> float:
+    q = _number("sampling_probability", q)
+    if not 0 < q <= 1:
+        raise ValueError(f"sampling_probability must be in (0, 1] (the fraction of clients "
+                         f"sampled per round), got {q}")
+    return q
+
+
+def _rounds(rounds) -> int:
+    if isinstance(rounds, bool) or not isinstance(rounds, numbers.Integral) or rounds < 0:
+        raise ValueError(f"rounds must be a whole number >= 0, got {rounds!r}")
+    return int(rounds)
+
+
+def _delta(delta, population: int | None) -> float:
+    delta = _number("delta", delta)
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta}")
+    if population is not None and delta >= 1 / population:
+        warnings.warn(
+            f"delta = {delta:g} is not below 1/N = {1 / population:g} for a population of "
+            f"N = {population} clients: an (epsilon, delta) guarantee with delta >= 1/N "
+            "allows releasing one whole client's data; choose delta well below 1/N",
+            UserWarning, stacklevel=3)
+    return delta
+
+
+def _population(population) -> int | None:
+    if population is None:
+        return None
+    if isinstance(population, bool) or not isinstance(population, numbers.Integral) \
+            or population < 1:
+        raise ValueError(f"population must be a whole number of clients >= 1, got "
+                         f"{population!r}")
+    return int(population)
+
+
+def _sample_size(q: float, sampling: str, population: int | None) -> int | None:
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
+    if sampling == "poisson":
+        return None
+    if population is None:
+        raise ValueError("fixed-size sampling needs population (N, the number of clients): "
+                         "each round samples m = q*N of them without replacement")
+    m = q * population
+    if abs(m - round(m)) > 1e-9 * max(1.0, m) or round(m) < 1:
+        raise ValueError(f"fixed-size sampling needs q*N to be a whole number of clients >= "
+                         f"1; got q = {q:g}, N = {population} (q*N = {m:g})")
+    return round(m)
+
+
+def _extra(extra) -> int:
+    if isinstance(extra, bool) or not isinstance(extra, numbers.Integral) or extra < 0:
+        raise ValueError(f"extra_releases_per_round must be a whole number >= 0, got "
+                         f"{extra!r}")
+    return int(extra)
+
+
+def _accountant_name(accountant: str, sampling: str) -> str:
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got "
+                         f"{accountant!r}")
+    if accountant == "pld" and sampling == "fixed":
+        raise ValueError("dp-accounting's PLD accountant has no event for fixed-size "
+                         "sampling without replacement; use accountant='rdp' (REPLACE_ONE "
+                         "neighbours) or Poisson sampling")
+    return accountant
+
+
+def _discretization(value) -> float:
+    value = _number("pld_discretization", value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"pld_discretization must be a number > 0, got {value}")
+    return value
+
+
+def _common(noise_multiplier, sampling_probability, rounds, *, accountant, sampling,
+            population, extra_releases_per_round, pld_discretization):
+    zs = _multipliers(noise_multiplier)
+    q = _probability(sampling_probability)
+    population = _population(population)
+    _sample_size(q, sampling, population)
+    return (zs, q, _rounds(rounds), _accountant_name(accountant, sampling), sampling,
+            population, _extra(extra_releases_per_round), _discretization(pld_discretization))
+
+
+# ------------------------------------------------------------------------------ events
+
+
+def effective_noise_multiplier(noise_multipliers) -> float:
+    """The single Gaussian's multiplier equal to Gaussian releases with these multipliers
+    (on the same data, each of sensitivity 1 in its own units): ``(Σ z_i⁻²)^(-1/2)``; 0 if
+    any is 0 (a release without noise)."""
+    zs = _multipliers(noise_multipliers)
+    if any(z == 0 for z in zs):
+        return 0.0
+    return sum(z ** -2 for z in zs) ** -0.5
+
+
+def adaptive_clip_noise_multipliers(noise_multiplier: float,
+                                    clipped_count_stddev: float) -> tuple[float, float]:
+    """Adaptive quantile clipping's pair of releases per round (Andrew et al.; TFF's
+    ``gaussian_adaptive``), ``(z_Δ, 2σ_b)``, for a total multiplier z: the clipped sum gets
+    ``z_Δ = (z⁻² − (2σ_b)⁻²)^(-1/2)`` and the count of unclipped clients, a sum of
+    ``b_i − 0.5`` (sensitivity 0.5) with noise σ_b, has multiplier ``σ_b / 0.5 = 2σ_b``.
+    Together they are one Gaussian with multiplier z. Needs ``z < 2σ_b`` (TFF raises too)."""
+    z = _number("noise_multiplier", noise_multiplier)
+    sigma_b = _number("clipped_count_stddev", clipped_count_stddev)
+    if not (math.isfinite(z) and z > 0):
+        raise ValueError(f"noise_multiplier must be a finite number > 0, got {z}")
+    if not (math.isfinite(sigma_b) and sigma_b > 0):
+        raise ValueError(f"clipped_count_stddev must be a finite number > 0, got {sigma_b}")
+    if z >= 2 * sigma_b:
+        raise ValueError(f"adaptive clipping needs noise_multiplier < 2 * clipped_count_stddev"
+                         f" (the count release alone would use the whole budget); got z = "
+                         f"{z:g}, clipped_count_stddev = {sigma_b:g}")
+    return (z ** -2 - (2 * sigma_b) ** -2) ** -0.5, 2 * sigma_b
+
+
+def _round_multipliers(zs: tuple[float, ...], extra: int) -> tuple[float, ...]:
+    return zs + (effective_noise_multiplier(zs),) * extra
+
+
+def _event(zs: tuple[float, ...], q: float, rounds: int, sampling: str, population,
+           extra: int, single: bool) -> dp_accounting.DpEvent:
+    """The event; ``single``: the round's releases as one Gaussian (the PLD accountant's
+    sampled events take a Gaussian only)."""
+    releases = _round_multipliers(zs, extra)
+    if single:
+        releases = (effective_noise_multiplier(releases),)
+    if sampling == "fixed":  # REPLACE_ONE: a clipped sum's sensitivity is 2C
+        releases = tuple(z / 2 for z in releases)
+    gaussians = [dp_accounting.GaussianDpEvent(z) for z in releases]
+    inner = gaussians[0] if len(gaussians) == 1 else dp_accounting.ComposedDpEvent(gaussians)
+    if sampling == "poisson":
+        sampled = dp_accounting.PoissonSampledDpEvent(q, inner)
+    else:
+        sampled = dp_accounting.SampledWithoutReplacementDpEvent(
+            population, _sample_size(q, sampling, population), inner)
+    return dp_accounting.SelfComposedDpEvent(sampled, rounds)
+
+
+def dp_event(noise_multiplier, sampling_probability: float, rounds: int, *,
+             sampling: str = "poisson", population: int | None = None,
+             extra_releases_per_round: int = 0) -> dp_accounting.DpEvent:
+    """The dp-accounting event of ``rounds`` rounds of the subsampled Gaussian mechanism.
+
+    ``noise_multiplier``: z (noise standard deviation over the clip norm C), or one z per
+    Gaussian release in a round (e.g. ``adaptive_clip_noise_multipliers(z, σ_b)``).
+    ``sampling="poisson"``: ``PoissonSampledDpEvent(q, ·)``, for the ADD_OR_REMOVE_ONE
+    relation. ``sampling="fixed"``: m = q·N of ``population`` N without replacement,
+    ``SampledWithoutReplacementDpEvent(N, m, ·)`` with each multiplier halved, for the
+    REPLACE_ONE relation (module docstring). ``extra_releases_per_round``: that many more
+    Gaussian releases per round on the same cohort, at the round's effective multiplier.
+    """
+    zs, q, rounds, _, sampling, population, extra, _ = _common(
+        noise_multiplier, sampling_probability, rounds, accountant="rdp", sampling=sampling,
+        population=population, extra_releases_per_round=extra_releases_per_round,
+        pld_discretization=PLD_DISCRETIZATION)
+    return _event(zs, q, rounds, sampling, population, extra, single=False)
+
+
+def _new_accountant(accountant: str, sampling: str, discretization: float):
+    relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if sampling == "fixed"
+                else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    if accountant == "rdp":
+        return rdp.RdpAccountant(neighboring_relation=relation)
+    return pld.PLDAccountant(neighboring_relation=relation,
+                             value_discretization_interval=discretization)
+
+
+# ------------------------------------------------------------------------------ ε and z
+
+
+@functools.lru_cache(maxsize=1024)
+def _rdp_of_one_round(zs, q, sampling, population, extra):
+    """dp-accounting's RDP accountant after one round: its orders and RDP values. T rounds
+    have T times these values (the accountant itself multiplies by the count), so any T's ε
+    is ``rdp.compute_epsilon`` of them, without recomputing the subsampled mechanism."""
+    acc = _new_accountant("rdp", sampling, PLD_DISCRETIZATION)
+    acc.compose(_event(zs, q, 1, sampling, population, extra, single=False))
+    orders, values = acc.orders, acc.rdp
+    orders.setflags(write=False)
+    values.setflags(write=False)
+    return orders, values
+
+
+@functools.lru_cache(maxsize=4096)
+def _epsilon(zs, q, rounds, delta, accountant, sampling, population, extra,
+             discretization) -> float:
+    if rounds == 0:
+        return 0.0
+    if effective_noise_multiplier(zs) == 0:
+        return math.inf
+    if accountant == "rdp":
+        orders, values = _rdp_of_one_round(zs, q, sampling, population, extra)
+        return float(rdp.compute_epsilon(orders, rounds * values, delta)[0])
+    acc = _new_accountant(accountant, sampling, discretization)
+    acc.compose(_event(zs, q, rounds, sampling, population, extra, single=True))
+    return float(acc.get_epsilon(delta))
+
+
+def epsilon(noise_multiplier, sampling_probability: float, rounds: int, delta: float, *,
+            accountant: str = "rdp", sampling: str = "poisson",
+            population: int | None = None, extra_releases_per_round: int = 0,
+            pld_discretization: float = PLD_DISCRETIZATION) -> float:
+    """ε after ``rounds`` rounds at ``delta``, from dp-accounting's RDP (``"rdp"``) or PLD
+    (``"pld"``) accountant; arguments as in ``dp_event``. z = 0 gives inf, rounds = 0
+    gives 0. ``population`` (N) is needed for fixed-size sampling; given with Poisson
+    sampling it only checks δ < 1/N (a warning otherwise). ``pld_discretization``: the PLD
+    accountant's value discretization (coarser is faster and slightly more pessimistic).
+    Memoized."""
+    args = _common(noise_multiplier, sampling_probability, rounds, accountant=accountant,
+                   sampling=sampling, population=population,
+                   extra_releases_per_round=extra_releases_per_round,
+                   pld_discretization=pld_discretization)
+    zs, q, rounds, accountant, sampling, population, extra, discretization = args
+    delta = _delta(delta, population)
+    return _epsilon(zs, q, rounds, delta, accountant, sampling, population, extra,
+                    discretization)
+
+
+def noise_multiplier_for(target_epsilon: float, sampling_probability: float, rounds: int,
+                         delta: float, *, accountant: str = "rdp", sampling: str = "poisson",
+                         population: int | None = None, extra_releases_per_round: int = 0,
+                         pld_discretization: float = PLD_DISCRETIZATION,
+                         tol: float | None = None) -> float:
+    """The smallest noise multiplier z (to within ``tol``, default 1e-6·z) whose ``epsilon``
+    is at most ``target_epsilon``: dp-accounting's ``calibrate_dp_mechanism`` (Brent's
+    method, with a final check that ε <= target) over a bracket found by doubling. With
+    ``extra_releases_per_round``, z is every release's multiplier. 0 for rounds = 0."""
+    target = _number("target_epsilon", target_epsilon)
+    if not (math.isfinite(target) and target > 0):
+        raise ValueError(f"target_epsilon must be a finite number > 0, got {target}")
+    args = _common(1.0, sampling_probability, rounds, accountant=accountant,
+                   sampling=sampling, population=population,
+                   extra_releases_per_round=extra_releases_per_round,
+                   pld_discretization=pld_discretization)
+    _, q, rounds, accountant, sampling, population, extra, discretization = args
+    delta = _delta(delta, population)
+    if tol is not None and not (_number("tol", tol) > 0 and math.isfinite(tol)):
+        raise ValueError(f"tol must be a finite number > 0, got {tol}")
+    if rounds == 0:
+        return 0.0
+
+    def eps(z: float) -> float:
+        return _epsilon((z,), q, rounds, delta, accountant, sampling, population, extra,
+                        discretization)
+
+    lo, hi = 0.5, 1.0
+    if eps(hi) > target:
+        for _ in range(_MAX_DOUBLINGS):
+            lo, hi = hi, 2 * hi
+            if eps(hi) <= target:
+                break
+        else:
+            raise ValueError(f"no noise multiplier up to {hi:g} reaches epsilon "
+                             f"{target:g}")
+    else:
+        for _ in range(_MAX_DOUBLINGS):
+            if eps(lo) > target:
+                break
+            hi, lo = lo, lo / 2
+        else:
+            return hi  # ε <= target at every z tried: essentially no noise is needed
+    z = mechanism_calibration.calibrate_dp_mechanism(
+        lambda: _new_accountant(accountant, sampling, discretization),
+        lambda z: _event((z,), q, rounds, sampling, population, extra,
+                         single=accountant == "pld"),
+        target, delta,
+        bracket_interval=mechanism_calibration.ExplicitBracketInterval(lo, hi),
+        tol=tol if tol is not None else 1e-6 * hi)
+    return float(z)
+
+
+# ------------------------------------------------------------------------------ words
+
+
+def _dp_accounting_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dp-accounting")
+    except PackageNotFoundError:  # pragma: no cover - installed without metadata
+        return "unknown version"
+
+
+def describe(noise_multiplier, sampling_probability: float, *, accountant: str = "rdp",
+             sampling: str = "poisson", population: int | None = None,
+             extra_releases_per_round: int = 0) -> str:
+    """In one line, what an ε from these arguments assumes: the accountant, the sampling,
+    the neighbouring relation and the releases per round."""
+    zs, q, _, accountant, sampling, population, extra, _ = _common(
+        noise_multiplier, sampling_probability, 0, accountant=accountant, sampling=sampling,
+        population=population, extra_releases_per_round=extra_releases_per_round,
+        pld_discretization=PLD_DISCRETIZATION)
+    name = {"rdp": "RDP", "pld": "PLD"}[accountant]
+    parts = [f"{name} accountant (dp-accounting {_dp_accounting_version()})"]
+    if sampling == "poisson":
+        parts.append(f"Poisson sampling, each client with q = {q:g} per round"
+                     + (f" of N = {population}" if population is not None else ""))
+        parts.append("neighbours add or remove one client's data (ADD_OR_REMOVE_ONE)")
+    else:
+        m = _sample_size(q, sampling, population)
+        parts.append(f"fixed-size sampling, m = {m} of N = {population} clients without "
+                     "replacement per round")
+        parts.append("neighbours replace one client's data (REPLACE_ONE; the Gaussian "
+                     "event carries z/2, a replaced update moving the sum by up to 2C)")
+    releases = _round_multipliers(zs, extra)
+    if len(releases) == 1:
+        parts.append(f"one Gaussian release per round, z = {releases[0]:g}")
+    else:
+        listed = ", ".join(f"{z:g}" for z in releases)
+        parts.append(f"{len(releases)} Gaussian releases per round (z = {listed}; together "
+                     f"z = {effective_noise_multiplier(releases):g})")
+    return "; ".join(parts)
+
+
+# ------------------------------------------------------------------------------ a run's ε
+
+
+class PrivacyLedger:
+    """ε of a run with fixed (z, q, δ) after any number of rounds, for a runner that reports
+    ε per round and stops before a budget is exceeded::
+
+        ledger = PrivacyLedger(1.0, 0.01, 1e-5)
+        ledger.epsilon_after(100)        # ε after 100 rounds
+        ledger.rounds_within(2.0)        # the most rounds whose ε <= 2.0
+
+    Arguments as in ``epsilon``. Pure: ``epsilon_after`` is memoized per rounds value.
+    """
+
+    def __init__(self, noise_multiplier, sampling_probability: float, delta: float,
+                 accountant: str = "rdp", *, sampling: str = "poisson",
+                 population: int | None = None, extra_releases_per_round: int = 0,
+                 pld_discretization: float = PLD_DISCRETIZATION):
+        args = _common(noise_multiplier, sampling_probability, 0, accountant=accountant,
+                       sampling=sampling, population=population,
+                       extra_releases_per_round=extra_releases_per_round,
+                       pld_discretization=pld_discretization)
+        (self._zs, self.sampling_probability, _, self.accountant, self.sampling,
+         self.population, self.extra_releases_per_round, self._discretization) = args
+        self.noise_multiplier = self._zs[0] if len(self._zs) == 1 else self._zs
+        self.delta = _delta(delta, self.population)
+        self._cache: dict[int, float] = {}
+
+    def epsilon_after(self, rounds: int) -> float:
+        """ε after ``rounds`` rounds (0 for none)."""
+        rounds = _rounds(rounds)
+        if rounds not in self._cache:
+            self._cache[rounds] = _epsilon(
+                self._zs, self.sampling_probability, rounds, self.delta, self.accountant,
+                self.sampling, self.population, self.extra_releases_per_round,
+                self._discretization)
+        return self._cache[rounds]
+
+    def rounds_within(self, target_epsilon: float, max_rounds: int | None = None) -> int:
+        """The largest T (at most ``max_rounds``, if given) with ``epsilon_after(T) <=
+        target_epsilon``; 0 if even one round exceeds it. ε grows with T, so a doubling
+        search then a bisection (about 2·log2 T evaluations: microseconds each with RDP,
+        which scales one round's RDP; a PLD composition each with PLD, about a second at
+        T = 1000 and the default discretization)."""
+        target = _number("target_epsilon", target_epsilon)
+        if math.isnan(target) or target < 0:
+            raise ValueError(f"target_epsilon must be a number >= 0, got {target}")
+        cap = _rounds(max_rounds) if max_rounds is not None else None
+        if math.isinf(target) and cap is None:
+            raise ValueError("an infinite target_epsilon needs max_rounds")
+        if cap == 0 or self.epsilon_after(1) > target:
+            return 0
+        lo, hi = 1, 2
+        while True:
+            if cap is not None and hi >= cap:
+                if self.epsilon_after(cap) <= target:
+                    return cap
+                hi = cap
+                break
+            if self.epsilon_after(hi) > target:
+                break
+            if hi >= 2 ** 62:
+                return hi
+            lo, hi = hi, 2 * hi
+        while hi - lo > 1:  # epsilon_after(lo) <= target < epsilon_after(hi)
+            mid = (lo + hi) // 2
+            if self.epsilon_after(mid) <= target:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def describe(self) -> str:
+        """What this ledger's ε assumes, in one line (see ``describe``)."""
+        return describe(self._zs, self.sampling_probability, accountant=self.accountant,
+                        sampling=self.sampling, population=self.population,
+                        extra_releases_per_round=self.extra_releases_per_round)
+
+    def __repr__(self) -> str:
+        return (f"PrivacyLedger(noise_multiplier={self.noise_multiplier!r}, "
+                f"sampling_probability={self.sampling_probability!r}, delta={self.delta!r}, "
+                f"accountant={self.accountant!r}, sampling={self.sampling!r}, "
+                f"population={self.population!r}, "
+                f"extra_releases_per_round={self.extra_releases_per_round!r})")
