@@ -237,6 +237,53 @@ class LearnedLRConfig(_Section):
     mode: Literal["forward", "reverse"] = "forward"
 
 
+class PrivacyConfig(_Section):
+    """User-level DP-FedAvg (McMahan et al. 2018): the aggregator clips each client's update
+    and noises the sum (``fedax.aggregators``), and ``fedax.privacy`` reports ε.
+
+    ``mechanism``: ``gaussian`` (a fixed clip ``clip``, flat or ``per_layer``), ``adaptive``
+    (Andrew et al.'s quantile-tracking clip from ``clip``, default 0.1, towards
+    ``target_quantile`` at ``clip_learning_rate``, the count noised with ``count_stddev``,
+    default m/20) or ``adaclip`` (coordinate-wise, from ``clip``). ``noise_multiplier`` z,
+    or ``target_epsilon`` alone (then z is the smallest that keeps ``rounds`` rounds within
+    it); with both, the run stops before the round that would exceed the budget.
+    ``sampling``: ``fixed`` (the cohort of ``client_fraction``·N clients, as without DP;
+    accounted as sampling without replacement, replace-one neighbours) or ``poisson`` (each
+    client joins with probability ``client_fraction``; add-or-remove-one neighbours).
+    The denominator of the average is the expected cohort size m."""
+
+    mechanism: Literal["gaussian", "adaptive", "adaclip"]
+    noise_multiplier: Number | None = Field(None, ge=0, allow_inf_nan=False)
+    target_epsilon: Number | None = Field(None, gt=0, allow_inf_nan=False)
+    delta: Number = Field(1e-5, gt=0, lt=1)
+    clip: Number | None = Field(None, gt=0, allow_inf_nan=False)
+    per_layer: bool = False
+    target_quantile: Number = Field(0.5, ge=0, le=1)
+    clip_learning_rate: Number = Field(0.2, ge=0, allow_inf_nan=False)
+    count_stddev: Number | None = Field(None, ge=0, allow_inf_nan=False)
+    accountant: Literal["rdp", "pld"] = "rdp"
+    sampling: Literal["fixed", "poisson"] = "fixed"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PrivacyConfig:
+        if self.noise_multiplier is None and self.target_epsilon is None:
+            raise _KeyedError("privacy.noise_multiplier", "give noise_multiplier (z >= 0) or "
+                                                          "target_epsilon (or both)")
+        if self.mechanism == "gaussian" and self.clip is None:
+            raise _KeyedError("privacy.clip", "mechanism 'gaussian' needs clip (S > 0)")
+        if self.per_layer and self.mechanism != "gaussian":
+            raise _KeyedError("privacy.per_layer", "applies to mechanism 'gaussian' only")
+        if self.mechanism != "adaptive":
+            for key in ("count_stddev",):
+                if getattr(self, key) is not None:
+                    raise _KeyedError(f"privacy.{key}", "applies to mechanism 'adaptive' only")
+        if self.accountant == "pld" and self.sampling == "fixed":
+            raise _KeyedError("privacy.accountant", "'pld' needs sampling: poisson "
+                                                    "(dp-accounting has no PLD for sampling "
+                                                    "without replacement); use 'rdp'")
+        return self
+
+
 class Config(_Section):
     """A validated experiment config (see the module docstring)."""
 
@@ -261,6 +308,7 @@ class Config(_Section):
     client_lr: Number = Field(gt=0, allow_inf_nan=False)
     server: ServerConfig = ServerConfig()
     learned_lr: LearnedLRConfig = LearnedLRConfig()  # with server.lr: learned
+    privacy: PrivacyConfig | None = None  # user-level DP (absent: none)
     # FedProx's stragglers: this fraction of each cohort runs U{1..E} epochs instead of E;
     # with drop_stragglers, those that ran fewer than E get weight 0 (FedAvg's treatment).
     stragglers: Number = Field(0.0, ge=0, le=1)

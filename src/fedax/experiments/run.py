@@ -34,6 +34,7 @@ from fedax.algorithms import make as make_algorithm
 from fedax.client import Batches
 from fedax.experiments.config import (
     Config,
+    ConfigError,
     ShakespeareConfig,
     SyntheticConfig,
     check_against_data,
@@ -73,10 +74,79 @@ def partition(config: Config, y: np.ndarray) -> list[np.ndarray]:
     return fdata.unbalanced(len(y), config.num_clients, config.seed)
 
 
+class PrivacyPlan(NamedTuple):
+    """A DP run's aggregator and accounting: z (given, or calibrated to the budget), the
+    sampling probability q, the expected cohort m (the fixed denominator), the ledger that
+    gives ε after any number of rounds, and the rounds the budget allows."""
+
+    aggregator: Any
+    noise_multiplier: float
+    sampling_probability: float
+    expected_clients: float
+    ledger: Any
+    rounds: int
+
+    def summary(self, config: Config, rounds_run: int) -> dict[str, Any]:
+        p = config.privacy
+        return {
+            **p.model_dump(mode="json"), "noise_multiplier": self.noise_multiplier,
+            "noise_multiplier_calibrated": p.noise_multiplier is None,
+            "sampling_probability": self.sampling_probability,
+            "expected_clients": self.expected_clients,
+            "epsilon": self.ledger.epsilon_after(rounds_run),
+            "rounds_within_budget": self.rounds,
+            "stopped_by_budget": self.rounds < config.rounds,
+            "accounting": self.ledger.describe(),
+        }
+
+
+def privacy_plan(config: Config, num_clients: int) -> PrivacyPlan | None:
+    """The DP aggregator and accountant of ``config.privacy`` (None without one)."""
+    p = config.privacy
+    if p is None:
+        return None
+    from fedax import aggregators
+    from fedax.privacy import PrivacyLedger, noise_multiplier_for
+
+    if p.sampling == "fixed":
+        m = len(fdata.sample_clients(0, num_clients, config.client_fraction))
+        q = m / num_clients
+    else:
+        q = float(config.client_fraction)
+        m = q * num_clients
+    population = num_clients
+    z = p.noise_multiplier
+    if z is None:
+        z = noise_multiplier_for(p.target_epsilon, q, config.rounds, p.delta,
+                                 accountant=p.accountant, sampling=p.sampling,
+                                 population=population)
+    ledger = PrivacyLedger(z, q, p.delta, p.accountant, sampling=p.sampling,
+                           population=population)
+    rounds = config.rounds
+    if p.target_epsilon is not None:
+        rounds = ledger.rounds_within(p.target_epsilon, max_rounds=config.rounds)
+        if rounds == 0:
+            raise ConfigError(
+                f"config key 'privacy.target_epsilon': one round at noise_multiplier {z:g} "
+                f"already spends epsilon {ledger.epsilon_after(1):.3g} > "
+                f"{p.target_epsilon:g}; raise the noise or the budget")
+    if p.mechanism == "gaussian":
+        aggregator = aggregators.dp_gaussian(p.clip, z, m, per_layer=p.per_layer)
+    elif p.mechanism == "adaptive":
+        aggregator = aggregators.dp_adaptive_gaussian(
+            z, m, initial_clip=p.clip or 0.1, target_quantile=p.target_quantile,
+            learning_rate=p.clip_learning_rate, clipped_count_stddev=p.count_stddev)
+    else:
+        aggregator = aggregators.adaclip(z, m, initial_clip=p.clip or 0.1)
+    return PrivacyPlan(aggregator, float(z), q, m, ledger, rounds)
+
+
 def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
-                    num_clients: int | None = None) -> FederatedAlgorithm:
+                    num_clients: int | None = None,
+                    aggregator: Any = None) -> FederatedAlgorithm:
     """The config's algorithm on ``apply_fn``'s model with the cross-entropy loss (per token,
-    PAD targets ignored, when ``sequence``)."""
+    PAD targets ignored, when ``sequence``), with ``aggregator`` (default: the weighted
+    mean)."""
 
     def loss_fn(params, batch: Batches):
         logits = apply_fn(params, batch.x)
@@ -96,7 +166,7 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
                                num_clients=num_clients or config.num_clients,
                                client_lr=config.client_lr, server_optimizer=server.name,
                                server_lr=hyperparameters.pop("lr"), **hyperparameters,
-                               **options)
+                               aggregator=aggregator, **options)
     if config.server.lr != "learned":
         return algorithm
     # η lives in the server optimizer's state; it is learned on holdout clients' loss.
@@ -398,8 +468,10 @@ def run_experiment(
     import jax
 
     params = jax.jit(model.init)(jax.random.key(config.seed))
+    plan = privacy_plan(config, train.num_clients)
     algorithm = build_algorithm(config, model.apply, sequence=data.y_test.ndim > 1,
-                                num_clients=train.num_clients)
+                                num_clients=train.num_clients,
+                                aggregator=None if plan is None else plan.aggregator)
     evaluate = make_evaluator(model.apply, data.x_test, data.y_test)
     execution: Execution = choose_execution(
         config.execution.strategy, config.execution.local_steps, config.execution.devices,
@@ -420,7 +492,8 @@ def run_experiment(
     started = time.perf_counter()
     source = PartitionSource(train, config.client_fraction, config.local_epochs,
                              config.batch_size, config.seed, config.stragglers,
-                             config.drop_stragglers)
+                             config.drop_stragglers,
+                             sampling="fixed" if plan is None else config.privacy.sampling)
     if config.server.lr == "learned":
         cohort_size = len(fdata.sample_clients(0, train.num_clients, config.client_fraction))
         source = HoldoutSource(source, config.learned_lr.holdout_clients or cohort_size)
@@ -430,7 +503,8 @@ def run_experiment(
             params,
             source,
             evaluate,
-            rounds=config.rounds,
+            # A privacy budget ends the run before the round that would exceed it.
+            rounds=config.rounds if plan is None else plan.rounds,
             seed=config.seed,
             eval_every=config.eval_every,
             target_accuracy=config.target_accuracy,
@@ -444,23 +518,27 @@ def run_experiment(
             # The algorithm, model and data choices the runner cannot see. How often to save
             # does not change the run, so a resumed run may save more or less often.
             fingerprint=_fingerprint(config),
+            record_fields=None if plan is None else (
+                lambda t: {"epsilon": plan.ledger.epsilon_after(t)}),
             max_rejected_fraction=config.max_rejected_fraction,
         )
     except FloatingPointError as err:
         writer.start()
-        summary = summarize(config, writer.records, time.perf_counter() - started, execution)
+        summary = summarize(config, writer.records, time.perf_counter() - started, execution,
+                            plan=plan)
         summary.update(status="diverged", diverged_at_round=getattr(err, "round", None),
                        error=str(err))
         write_outputs(out, summary, writer.records, label, title)
         raise
     summary = summarize(config, history.records, time.perf_counter() - started, execution,
-                        resumed_from=history.resumed_from)
+                        resumed_from=history.resumed_from, plan=plan)
     write_outputs(out, summary, history.records, label, title)
     return summary
 
 
 def summarize(config: Config, records: list[dict[str, Any]], wall: float, execution: Execution,
-              resumed_from: int | None = None) -> dict[str, Any]:
+              resumed_from: int | None = None, plan: PrivacyPlan | None = None
+              ) -> dict[str, Any]:
     """The ``summary.json`` of a run with these evaluation records (possibly none)."""
     history = History([r for r in records if isinstance(r.get("test_accuracy"), (int, float))
                        and math.isfinite(r["test_accuracy"])])
@@ -485,6 +563,9 @@ def summarize(config: Config, records: list[dict[str, Any]], wall: float, execut
         # aggregator's, a learned η)
         "last_record": records[-1] if records else None,
         "resumed_from_round": resumed_from,
+        # ε spent by the rounds run, z, q, the accountant and sampling it assumes
+        "privacy": None if plan is None else plan.summary(
+            config, records[-1]["round"] if records else 0),
     }
 
 

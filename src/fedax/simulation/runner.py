@@ -250,6 +250,7 @@ def run(
     client_state: ClientStateStore | None = None,
     max_rejected_fraction: float = 0.5,
     stop_on_divergence: bool = True,
+    record_fields: Callable[[int], Mapping[str, Any]] | None = None,
 ) -> History:
     """Run ``rounds`` rounds of ``algorithm`` on a cohort source, evaluating every
     ``eval_every``. The one round loop of fedax: data sets, virtual populations and the
@@ -310,6 +311,8 @@ def run(
         Either way the run stops before that round's state is checkpointed.
       stop_on_divergence: False records a diverged run to the end instead of raising
         (a learning-rate sweep that expects some runs to diverge).
+      record_fields: ``record_fields(round) -> dict`` of more values for the record of that
+        round (e.g. the privacy spent, ε), added before it is checkpointed or passed on.
 
     Returns:
       The ``History`` of evaluation records (restored ones included), with the final
@@ -515,6 +518,8 @@ def run(
                     record["rejected_clients"] = rejected_since_record
                     for name, value in round_metrics(metrics).items():
                         record.setdefault(name, value)
+                    if record_fields is not None:
+                        record.update(record_fields(t + 1))
                     record["elapsed_s"] = elapsed_before + time.perf_counter() - start
                     rejected_since_record = 0
                     history.records.append(record)

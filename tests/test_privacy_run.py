@@ -1,0 +1,103 @@
+"""DP in a run: Poisson client sampling, the `privacy:` config section with one-line errors,
+ε in every record against direct dp-accounting calls, and a privacy budget that ends the run
+before the round that would exceed it."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+from conftest import TINY_CONFIG
+
+from fedax import data as fdata
+from fedax.experiments.config import ConfigError, validate_config
+from fedax.experiments.run import privacy_plan, run_experiment
+from fedax.privacy import epsilon
+from fedax.simulation.sources import PartitionSource
+
+
+def test_poisson_sampling_draws_each_client_with_probability_q():
+    train, _ = fdata.synthetic(0.5, 0.5, num_clients=40, seed=0)
+    source = PartitionSource(train, 0.1, 1, 10, seed=7, sampling="poisson")
+    sizes = set()
+    for t in range(30):
+        data = source.round_data(t, pad_to=1)
+        want = np.nonzero(np.random.default_rng([7, t]).random(40) < 0.1)[0]
+        assert list(data.ids) == list(want) and data.real == len(want)
+        num_examples = data.plain[0]
+        assert np.all(num_examples[:data.real] > 0) and not np.any(num_examples[data.real:])
+        sizes.add(data.size)
+        if data.real == 0:  # nobody joined: an empty cohort that trains nothing
+            assert not np.any(data.sharded[1])
+    assert sizes == {source.capacity}  # one shape, so one compilation
+    assert source.capacity < 40
+    with pytest.raises(ValueError, match="sampling"):
+        PartitionSource(train, 0.1, 1, 10, sampling="bernoulli")
+
+
+def _config(**privacy):
+    data = yaml.safe_load(TINY_CONFIG)
+    data.update(num_clients=30, client_fraction=0.2, rounds=6)
+    data["privacy"] = privacy
+    return data
+
+
+@pytest.mark.parametrize("privacy,key,fragment", [
+    ({"mechanism": "gaussian", "clip": 1.0, "noise_multiplier": -1}, "privacy.noise_multiplier",
+     ">= 0"),
+    ({"mechanism": "gaussian", "clip": 0.0, "noise_multiplier": 1}, "privacy.clip", "> 0"),
+    ({"mechanism": "gaussian", "noise_multiplier": 1}, "privacy.clip", "needs clip"),
+    ({"mechanism": "gaussian", "clip": 1.0}, "privacy.noise_multiplier", "target_epsilon"),
+    ({"mechanism": "adaptive", "noise_multiplier": 1, "accountant": "pld"},
+     "privacy.accountant", "poisson"),
+    ({"mechanism": "adaptive", "noise_multiplier": 1, "per_layer": True},
+     "privacy.per_layer", "gaussian"),
+    ({"mechanism": "laplace", "noise_multiplier": 1}, "privacy.mechanism", "gaussian"),
+])
+def test_invalid_privacy_configs_are_one_line(privacy, key, fragment):
+    with pytest.raises(ConfigError) as info:
+        validate_config(_config(**privacy))
+    message = str(info.value)
+    assert "\n" not in message and key in message and fragment in message, message
+
+
+def test_delta_at_least_one_over_n_warns():
+    config = validate_config(_config(mechanism="gaussian", clip=1.0, noise_multiplier=1.0,
+                                     delta=0.05))
+    with pytest.warns(UserWarning, match="1/N"):
+        privacy_plan(config, 30)
+
+
+def test_epsilon_in_every_record_and_the_budget_stops_the_run(tmp_path):
+    config = validate_config(_config(mechanism="gaussian", clip=0.5, noise_multiplier=1.0,
+                                     delta=1e-3, target_epsilon=12.0))
+    plan = privacy_plan(config, 30)
+    direct = [epsilon(1.0, 6 / 30, t, 1e-3, sampling="fixed", population=30)
+              for t in range(1, 7)]
+    allowed = max(t for t in range(1, 7) if direct[t - 1] <= 12.0)
+    assert 1 <= allowed < 6 and plan.rounds == allowed  # the budget binds in this test
+    summary = run_experiment(config, tmp_path / "a", progress=False)
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").open()]
+    assert [r["round"] for r in records] == list(range(1, allowed + 1))
+    for r in records:
+        assert r["epsilon"] == pytest.approx(direct[r["round"] - 1], rel=1e-12)
+        assert r["dp_noise_stddev"] == pytest.approx(1.0 * 0.5 / 6, rel=1e-6)
+    privacy = summary["privacy"]
+    assert privacy["stopped_by_budget"] and privacy["epsilon"] <= 12.0
+    assert privacy["rounds_within_budget"] == allowed and "fixed-size" in privacy["accounting"]
+    # The same seed gives the same noise: the same numbers again.
+    run_experiment(config, tmp_path / "b", progress=False)
+    again = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").open()]
+    strip = [{k: v for k, v in r.items() if k != "elapsed_s"} for r in records]
+    assert strip == [{k: v for k, v in r.items() if k != "elapsed_s"} for r in again]
+
+
+def test_target_epsilon_alone_calibrates_the_noise():
+    config = validate_config(_config(mechanism="adaptive", target_epsilon=20.0, delta=1e-3,
+                                     sampling="poisson"))
+    plan = privacy_plan(config, 30)
+    assert plan.rounds == 6 and plan.noise_multiplier > 0
+    spent = epsilon(plan.noise_multiplier, 0.2, 6, 1e-3)
+    assert spent <= 20.0 and spent > 0.95 * 20.0
+    assert math.isclose(plan.expected_clients, 6.0)
