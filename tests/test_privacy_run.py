@@ -101,3 +101,56 @@ def test_target_epsilon_alone_calibrates_the_noise():
     spent = epsilon(plan.noise_multiplier, 0.2, 6, 1e-3)
     assert spent <= 20.0 and spent > 0.95 * 20.0
     assert math.isclose(plan.expected_clients, 6.0)
+
+
+def test_example_level_fedavg_with_no_noise_and_no_clip_is_fedavg():
+    """``fedavg(..., example_privacy=(huge clip, 0))`` runs DP-SGD in the local steps that
+    clips and noises nothing: the plain FedAvg round, to float rounding; with noise the
+    clients' keys make it differ, the same round key the same."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from fedax.algorithms import fedavg
+    from fedax.simulation import cohort_batches
+
+    # 90 training examples each: full batches of 10 (DP-SGD divides by the configured B,
+    # local_train a partial batch by its real examples)
+    train, _ = fdata.synthetic(0.5, 0.5, num_clients=8, sizes=100, seed=1)
+    cohort = fdata.make_cohort(train, np.arange(4), 1, 10, np.random.default_rng(0))
+    batches = cohort_batches(train, cohort)
+    params = {"w": jnp.zeros((60, 10)), "b": jnp.zeros(10)}
+
+    def loss(p, batch):
+        logits = batch.x @ p["w"] + p["b"]
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch.y)
+        return jnp.sum(nll * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
+
+    def one_round(alg, key):
+        state, _ = jax.jit(alg.round)(alg.init(params, None), batches, key)
+        return alg.server_params(state)["w"]
+
+    plain = one_round(fedavg(loss, optax.sgd(0.1)), jax.random.key(0))
+    private = fedavg(loss, optax.sgd(0.1), example_privacy=(1e6, 0.0))
+    np.testing.assert_allclose(one_round(private, jax.random.key(0)), plain, rtol=1e-5,
+                               atol=1e-7)
+    noisy = fedavg(loss, optax.sgd(0.1), example_privacy=(1.0, 1.0))
+    a, b = one_round(noisy, jax.random.key(3)), one_round(noisy, jax.random.key(3))
+    np.testing.assert_array_equal(a, b)
+    assert not np.allclose(a, one_round(noisy, jax.random.key(4)))
+    with pytest.raises(ValueError, match="give the round a key"):
+        noisy.round(noisy.init(params, None), batches, None)
+
+
+def test_example_level_config_and_its_epsilon():
+    from fedax.privacy import ExampleLevelLedger
+
+    with pytest.raises(ConfigError, match="privacy.mechanism"):
+        validate_config(_config(level="example", mechanism="gaussian", clip=1.0,
+                                noise_multiplier=1.0))
+    with pytest.raises(ConfigError, match="privacy.clip"):
+        validate_config(_config(level="example", noise_multiplier=1.0))
+    ledger = ExampleLevelLedger(1.1, [60, 60, 30], 10, 2, 1e-5)
+    want = max(epsilon(1.1, 10 / 60, 5 * 2 * 6, 1e-5), epsilon(1.1, 10 / 30, 5 * 2 * 3, 1e-5))
+    assert ledger.epsilon_after(5) == pytest.approx(want, rel=1e-12)
+    assert ledger.rounds_within(ledger.epsilon_after(5), 50) == 5

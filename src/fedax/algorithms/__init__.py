@@ -101,6 +101,7 @@ class AlgorithmSpec:
     def __call__(self, loss_fn: LossFn, *, num_clients: int, client_lr: float,
                  server_optimizer: str | optax.GradientTransformation | None = None,
                  server_lr: Any = None, aggregator: Any = None,
+                 example_privacy: tuple[float, float] | None = None,
                  **options: Any) -> FederatedAlgorithm:
         """Builds the algorithm.
 
@@ -109,6 +110,8 @@ class AlgorithmSpec:
             ``sgd``), or a ready optax transform (not for the FedOpt names).
           server_lr: its learning rate η (default: the optimizer's).
           aggregator: passed on (default: the algorithm's, the weighted mean).
+          example_privacy: ``(l2_clip, noise_multiplier)``: example-level DP-SGD in the
+            local steps (FedAvg, FedProx and the FedOpt names only).
           **options: the algorithm's own ``options`` and the server optimizer's other
             hyperparameters (``b1``, ``tau``, ``momentum``, ...).
 
@@ -141,13 +144,20 @@ class AlgorithmSpec:
                         f"algorithm {self.name!r} with server optimizer {name!r} has no option"
                         f" {key!r}; allowed: {', '.join(allowed)}")
             transform = _make_server_optimizer(name, lr=server_lr, **options)
+        if example_privacy is not None:
+            if self.build not in (_fedavg, _fedprox):
+                raise ValueError(f"algorithm {self.name!r} has no example-level DP-SGD; use "
+                                 "fedavg, fedprox or a FedOpt name, or user-level DP")
+            own["example_privacy"] = example_privacy
         return self.build(loss_fn, num_clients=num_clients, client_lr=client_lr,
                           server_optimizer=transform, aggregator=aggregator, **own)
 
 
-def _fedavg(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator):
+def _fedavg(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator,
+            example_privacy=None):
     del num_clients
-    return fedavg(loss_fn, optax.sgd(client_lr), server_optimizer, aggregator=aggregator)
+    return fedavg(loss_fn, optax.sgd(client_lr), server_optimizer, aggregator=aggregator,
+                  example_privacy=example_privacy)
 
 
 def _fedsgd(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator):
@@ -155,9 +165,11 @@ def _fedsgd(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator):
     return fedsgd(loss_fn, client_lr, server_optimizer, aggregator=aggregator)
 
 
-def _fedprox(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator, mu):
+def _fedprox(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator, mu,
+             example_privacy=None):
     del num_clients
-    return fedprox(loss_fn, optax.sgd(client_lr), mu, server_optimizer, aggregator=aggregator)
+    return fedprox(loss_fn, optax.sgd(client_lr), mu, server_optimizer, aggregator=aggregator,
+                   example_privacy=example_privacy)
 
 
 def _scaffold(option):

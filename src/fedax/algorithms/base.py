@@ -184,6 +184,9 @@ class RoundPieces(NamedTuple):
       client_state: ``client_state(params) -> one client's initial state``, or None.
       reweigh: None, or ``reweigh(weights, stats) -> weights`` on client-placed ``[C]``
         arrays, written with the placement primitives (learned client weights).
+      keyed: the client update takes a fifth argument, its own PRNG key (example-level
+        DP-SGD's noise): in simulation the round key folded with 1, split per client (the
+        aggregator's key is the round key itself); a real client uses its own secret key.
     """
 
     server_init: Callable[[Any], Any]
@@ -194,6 +197,7 @@ class RoundPieces(NamedTuple):
     aggregator: Aggregator
     client_state: Callable[[Any], Any] | None = None
     reweigh: Callable[[jax.Array, dict[str, jax.Array]], jax.Array] | None = None
+    keyed: bool = False
 
 
 class RoundState(NamedTuple):
@@ -260,14 +264,24 @@ def cohort_round(
     """
     num_clients = cohort.num_examples.shape[0]
     at_clients = fed.broadcast(pieces.payload(state.server), num_clients)
+    client_update, extra = pieces.client_update, ()
+    if pieces.keyed:
+        if key is None:
+            raise ValueError("this algorithm's clients draw random numbers (keyed client "
+                             "update): give the round a key, not None.")
+        raw = jax.random.key_data(jax.random.split(jax.random.fold_in(key, 1), num_clients))
+        extra = (raw,)
+
+        def client_update(p, s, b, n, k):
+            return pieces.client_update(p, s, b, n, jax.random.wrap_key_data(k))
     if pieces.client_state is None:
         message = fed.map_clients(
-            lambda p, b, n: pieces.client_update(p, None, b, n),
-            at_clients, cohort.batches, cohort.num_examples)
+            lambda p, b, n, *k: client_update(p, None, b, n, *k),
+            at_clients, cohort.batches, cohort.num_examples, *extra)
     else:
         message = fed.map_clients(
-            pieces.client_update, at_clients, client_states, cohort.batches,
-            cohort.num_examples)
+            client_update, at_clients, client_states, cohort.batches, cohort.num_examples,
+            *extra)
     weights = message.weight
     if pieces.reweigh is not None:
         weights = pieces.reweigh(weights, message.stats)

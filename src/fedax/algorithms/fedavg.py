@@ -31,7 +31,7 @@ from fedax.algorithms.base import (
     compose,
     default_aggregator,
 )
-from fedax.client import Batches, LossFn, local_train
+from fedax.client import Batches, LossFn, dp_local_train, local_train
 
 
 class ServerState(NamedTuple):
@@ -48,6 +48,7 @@ def model_pieces(
     *,
     pseudo_gradient: Callable[[Any, Any], Any] | None = None,
     reweigh: Callable[[jax.Array, dict[str, jax.Array]], jax.Array] | None = None,
+    keyed: bool = False,
 ) -> RoundPieces:
     """The pieces of the FedAvg family around ``client_update``: the server holds the model
     and its optimizer state (``ServerState``), broadcasts the model, and applies
@@ -65,7 +66,7 @@ def model_pieces(
 
     return RoundPieces(server_init, lambda server: server.params, client_update, server_update,
                        lambda server: server.params, default_aggregator(aggregator),
-                       reweigh=reweigh)
+                       reweigh=reweigh, keyed=keyed)
 
 
 def fedavg(
@@ -75,6 +76,7 @@ def fedavg(
     client_objective: Callable[[LossFn, Any], LossFn] | None = None,
     client_weights: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     aggregator: Aggregator | None = None,
+    example_privacy: tuple[float, float] | None = None,
 ) -> FederatedAlgorithm:
     """FedAvg with an optax client optimizer and an optax server optimizer.
 
@@ -94,6 +96,10 @@ def fedavg(
         n_k = 0 (padding). ``fedax.hyper.learned_client_weights`` learns such a function.
       aggregator: how the server combines the clients' deltas w_t − w^k_{t+1}; default
         ``fedax.aggregators.mean()``, the weighted mean above.
+      example_privacy: ``(l2_clip, noise_multiplier)``: each client trains with
+        example-level DP-SGD (``fedax.client.dp_local_train``: per-example clipping and
+        Gaussian noise in every local step, with the client's own key) instead of
+        ``local_train``; the round then needs a key.
 
     Returns:
       A ``FederatedAlgorithm`` (state ``RoundState`` with server ``ServerState``). Its
@@ -103,10 +109,16 @@ def fedavg(
       (clients whose update or loss was not finite: they are left out of the aggregate; see
       ``accept_finite``) and the aggregator's metrics.
     """
-    def client_update(params, client_state, batches: Batches, num_examples):
+    def client_update(params, client_state, batches: Batches, num_examples, key=None):
         del client_state
         objective = loss_fn if client_objective is None else client_objective(loss_fn, params)
-        result = local_train(objective, params, batches, client_optimizer)
+        if example_privacy is None:
+            result = local_train(objective, params, batches, client_optimizer)
+        else:
+            l2_clip, noise_multiplier = example_privacy
+            result = dp_local_train(objective, params, batches, client_optimizer,
+                                    l2_clip=l2_clip, noise_multiplier=noise_multiplier,
+                                    key=key)
         delta = jax.tree.map(jnp.subtract, params, result.params)
         stats = {"train_loss": result.loss, "local_steps": result.num_steps}
         return ClientMessage(delta, num_examples, stats)
@@ -116,4 +128,5 @@ def fedavg(
         def reweigh(weights, stats):
             return client_weights(weights, stats["train_loss"])
 
-    return compose(model_pieces(client_update, server_optimizer, aggregator, reweigh=reweigh))
+    return compose(model_pieces(client_update, server_optimizer, aggregator, reweigh=reweigh,
+                                keyed=example_privacy is not None))

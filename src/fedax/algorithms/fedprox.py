@@ -64,6 +64,7 @@ def fedprox(
     mu: float,
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: Aggregator | None = None,
+    example_privacy: tuple[float, float] | None = None,
 ) -> FederatedAlgorithm:
     """FedProx: FedAvg with the proximal local objective F_k(w) + (μ/2)‖w − w_t‖².
 
@@ -73,10 +74,12 @@ def fedprox(
       mu: proximal coefficient μ ≥ 0 (the paper tries 0.001, 0.01, 0.1, 1).
       server_optimizer: applied to the pseudo-gradient; default ``optax.sgd(1.0)``.
       aggregator: combines the clients' deltas; default the n_k-weighted mean.
+      example_privacy: ``(l2_clip, noise_multiplier)`` for example-level DP-SGD in the
+        local steps (see ``fedavg``).
 
     Returns:
       A ``FederatedAlgorithm`` with FedAvg's state and metrics; note that
       ``train_loss`` is the mean local *objective* h_k, proximal term included.
     """
     return fedavg(loss_fn, client_optimizer, server_optimizer, client_objective=proximal(mu),
-                  aggregator=aggregator)
+                  aggregator=aggregator, example_privacy=example_privacy)

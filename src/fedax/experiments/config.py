@@ -239,7 +239,10 @@ class LearnedLRConfig(_Section):
 
 class PrivacyConfig(_Section):
     """User-level DP-FedAvg (McMahan et al. 2018): the aggregator clips each client's update
-    and noises the sum (``fedax.aggregators``), and ``fedax.privacy`` reports ε.
+    and noises the sum (``fedax.aggregators``), and ``fedax.privacy`` reports ε. With
+    ``level: example``, each client instead trains with DP-SGD (per-example ``clip`` and
+    ``noise_multiplier``, ``fedax.client.dp_local_train``; FedAvg, FedProx, FedOpt) and ε is
+    example-level (``fedax.privacy.ExampleLevelLedger``).
 
     ``mechanism``: ``gaussian`` (a fixed clip ``clip``, flat or ``per_layer``), ``adaptive``
     (Andrew et al.'s quantile-tracking clip from ``clip``, default 0.1, towards
@@ -252,7 +255,8 @@ class PrivacyConfig(_Section):
     client joins with probability ``client_fraction``; add-or-remove-one neighbours).
     The denominator of the average is the expected cohort size m."""
 
-    mechanism: Literal["gaussian", "adaptive", "adaclip"]
+    level: Literal["user", "example"] = "user"
+    mechanism: Literal["gaussian", "adaptive", "adaclip"] | None = None
     noise_multiplier: Number | None = Field(None, ge=0, allow_inf_nan=False)
     target_epsilon: Number | None = Field(None, gt=0, allow_inf_nan=False)
     delta: Number = Field(1e-5, gt=0, lt=1)
@@ -266,6 +270,24 @@ class PrivacyConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> PrivacyConfig:
+        if self.level == "example":
+            for key in ("mechanism", "count_stddev"):
+                if getattr(self, key) is not None:
+                    raise _KeyedError(f"privacy.{key}", "applies to level 'user' only (level "
+                                                        "'example' is DP-SGD in local training)")
+            if self.per_layer or self.sampling != "fixed" or self.accountant != "rdp":
+                raise _KeyedError("privacy.level", "level 'example' takes clip, "
+                                                   "noise_multiplier, target_epsilon and delta "
+                                                   "only (RDP, every round counted)")
+            if self.clip is None or self.noise_multiplier is None:
+                raise _KeyedError("privacy.clip" if self.clip is None else
+                                  "privacy.noise_multiplier",
+                                  "level 'example' needs clip (per-example L2 bound) and "
+                                  "noise_multiplier")
+            return self
+        if self.mechanism is None:
+            raise _KeyedError("privacy.mechanism", "level 'user' needs a mechanism: gaussian, "
+                                                   "adaptive or adaclip")
         if self.noise_multiplier is None and self.target_epsilon is None:
             raise _KeyedError("privacy.noise_multiplier", "give noise_multiplier (z >= 0) or "
                                                           "target_epsilon (or both)")

@@ -85,6 +85,7 @@ class PrivacyPlan(NamedTuple):
     expected_clients: float
     ledger: Any
     rounds: int
+    example_privacy: tuple[float, float] | None = None
 
     def summary(self, config: Config, rounds_run: int) -> dict[str, Any]:
         p = config.privacy
@@ -100,13 +101,32 @@ class PrivacyPlan(NamedTuple):
         }
 
 
-def privacy_plan(config: Config, num_clients: int) -> PrivacyPlan | None:
-    """The DP aggregator and accountant of ``config.privacy`` (None without one)."""
+def privacy_plan(config: Config, num_clients: int,
+                 client_sizes: Any = None) -> PrivacyPlan | None:
+    """The DP aggregator and accountant of ``config.privacy`` (None without one);
+    ``client_sizes`` (n_k) for example-level accounting."""
     p = config.privacy
     if p is None:
         return None
     from fedax import aggregators
-    from fedax.privacy import PrivacyLedger, noise_multiplier_for
+    from fedax.privacy import ExampleLevelLedger, PrivacyLedger, noise_multiplier_for
+
+    if p.level == "example":
+        if client_sizes is None:
+            raise ValueError("example-level accounting needs the clients' sizes")
+        ledger = ExampleLevelLedger(p.noise_multiplier, client_sizes, config.batch_size,
+                                    config.local_epochs, p.delta)
+        rounds = config.rounds
+        if p.target_epsilon is not None:
+            rounds = ledger.rounds_within(p.target_epsilon, config.rounds)
+            if rounds == 0:
+                raise ConfigError(
+                    f"config key 'privacy.target_epsilon': one round already spends epsilon "
+                    f"{ledger.epsilon_after(1):.3g} > {p.target_epsilon:g}; raise the noise "
+                    "or the budget")
+        m = len(fdata.sample_clients(0, num_clients, config.client_fraction))
+        return PrivacyPlan(None, float(p.noise_multiplier), m / num_clients, m, ledger,
+                           rounds, (float(p.clip), float(p.noise_multiplier)))
 
     if p.sampling == "fixed":
         m = len(fdata.sample_clients(0, num_clients, config.client_fraction))
@@ -142,8 +162,9 @@ def privacy_plan(config: Config, num_clients: int) -> PrivacyPlan | None:
 
 
 def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
-                    num_clients: int | None = None,
-                    aggregator: Any = None) -> FederatedAlgorithm:
+                    num_clients: int | None = None, aggregator: Any = None,
+                    example_privacy: tuple[float, float] | None = None,
+                    ) -> FederatedAlgorithm:
     """The config's algorithm on ``apply_fn``'s model with the cross-entropy loss (per token,
     PAD targets ignored, when ``sequence``), with ``aggregator`` (default: the weighted
     mean)."""
@@ -166,7 +187,8 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
                                num_clients=num_clients or config.num_clients,
                                client_lr=config.client_lr, server_optimizer=server.name,
                                server_lr=hyperparameters.pop("lr"), **hyperparameters,
-                               aggregator=aggregator, **options)
+                               aggregator=aggregator, example_privacy=example_privacy,
+                               **options)
     if config.server.lr != "learned":
         return algorithm
     # η lives in the server optimizer's state; it is learned on holdout clients' loss.
@@ -468,10 +490,11 @@ def run_experiment(
     import jax
 
     params = jax.jit(model.init)(jax.random.key(config.seed))
-    plan = privacy_plan(config, train.num_clients)
+    plan = privacy_plan(config, train.num_clients, train.sizes)
     algorithm = build_algorithm(config, model.apply, sequence=data.y_test.ndim > 1,
                                 num_clients=train.num_clients,
-                                aggregator=None if plan is None else plan.aggregator)
+                                aggregator=None if plan is None else plan.aggregator,
+                                example_privacy=None if plan is None else plan.example_privacy)
     evaluate = make_evaluator(model.apply, data.x_test, data.y_test)
     execution: Execution = choose_execution(
         config.execution.strategy, config.execution.local_steps, config.execution.devices,

@@ -13,6 +13,7 @@ accountant for ε. Nothing here imports JAX or the rest of fedax.
 from fedax.privacy.accounting import (
     ACCOUNTANTS,
     SAMPLINGS,
+    ExampleLevelLedger,
     PrivacyLedger,
     adaptive_clip_noise_multipliers,
     describe,
@@ -25,6 +26,7 @@ from fedax.privacy.accounting import (
 __all__ = [
     "ACCOUNTANTS",
     "SAMPLINGS",
+    "ExampleLevelLedger",
     "PrivacyLedger",
     "adaptive_clip_noise_multipliers",
     "describe",

@@ -36,6 +36,7 @@ Nothing here imports JAX or the rest of fedax; the functions are pure and memoiz
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import numbers
 import warnings
@@ -258,7 +259,16 @@ def _rdp_of_one_round(zs, q, sampling, population, extra):
     have T times these values (the accountant itself multiplies by the count), so any T's ε
     is ``rdp.compute_epsilon`` of them, without recomputing the subsampled mechanism."""
     acc = _new_accountant("rdp", sampling, PLD_DISCRETIZATION)
-    acc.compose(_event(zs, q, 1, sampling, population, extra, single=False))
+    # dp-accounting logs (through absl) each fractional order whose series does not
+    # converge and leaves that order out; ε is then taken over the others, still a valid
+    # bound. Those lines would flood a run's output, so they are silenced here.
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        acc.compose(_event(zs, q, 1, sampling, population, extra, single=False))
+    finally:
+        absl.setLevel(level)
     orders, values = acc.orders, acc.rdp
     orders.setflags(write=False)
     values.setflags(write=False)
@@ -480,3 +490,54 @@ class PrivacyLedger:
                 f"accountant={self.accountant!r}, sampling={self.sampling!r}, "
                 f"population={self.population!r}, "
                 f"extra_releases_per_round={self.extra_releases_per_round!r})")
+
+
+class ExampleLevelLedger:
+    """ε of example-level DP-SGD in local training (``fedax.client.dp_local_train``), for
+    the record-level setting: a client with n_k examples, batch size B and E local epochs
+    takes E·⌈n_k/B⌉ noisy steps per round, each over a batch of rate q_k = min(B/n_k, 1).
+
+    Assumptions, stated because they are approximations: every round counts for every
+    client (no amplification by client sampling: conservative), and the shuffled batches
+    are accounted as Poisson-subsampled with rate q_k (the usual DP-SGD practice; shuffling
+    is not Poisson sampling). ε is the largest over the clients' distinct sizes. RDP
+    accountant (PLD at this many compositions is slow)."""
+
+    def __init__(self, noise_multiplier: float, client_sizes, batch_size: float,
+                 local_epochs: int, delta: float):
+        self.noise_multiplier = _number("noise_multiplier", noise_multiplier)
+        self.delta = _delta(delta, None)
+        sizes = sorted({int(n) for n in client_sizes if int(n) > 0})
+        if not sizes:
+            raise ValueError("example-level accounting needs clients with data")
+        self._groups = []
+        for n in sizes:
+            batch = n if math.isinf(batch_size) else min(int(batch_size), n)
+            steps = local_epochs * math.ceil(n / batch)
+            self._groups.append((min(batch / n, 1.0), steps))
+        self._cache: dict[int, float] = {}
+
+    def epsilon_after(self, rounds: int) -> float:
+        rounds = _rounds(rounds)
+        if rounds not in self._cache:
+            self._cache[rounds] = max(
+                epsilon(self.noise_multiplier, q, rounds * steps, self.delta)
+                for q, steps in self._groups) if rounds else 0.0
+        return self._cache[rounds]
+
+    def rounds_within(self, target_epsilon: float, max_rounds: int) -> int:
+        """The largest T ≤ ``max_rounds`` with ``epsilon_after(T) <= target_epsilon``."""
+        lo, hi = 0, _rounds(max_rounds)
+        if self.epsilon_after(hi) <= target_epsilon:
+            return hi
+        while hi - lo > 1:  # epsilon_after(lo) <= target < epsilon_after(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.epsilon_after(mid) <= target_epsilon else (lo, mid)
+        return lo
+
+    def describe(self) -> str:
+        return (f"RDP accountant (dp-accounting {_dp_accounting_version()}); example level: "
+                f"each local step a Gaussian (z = {self.noise_multiplier:g}) on a batch "
+                "accounted as Poisson-subsampled at rate B/n_k, every round counted for "
+                "every client (no client-sampling amplification); the largest ε over the "
+                "clients' sizes")
