@@ -628,10 +628,13 @@ def load_config(path: str | PathLike[str], overrides: Iterable[str] = ()) -> Con
 
 def config_to_dict(config: Config) -> dict[str, Any]:
     """A JSON-serializable dict of ``config`` (B = inf as ``"inf"``); it validates back.
-    ``learned_lr`` appears only with ``server.lr: learned`` (it applies only then)."""
+    ``learned_lr`` appears only with ``server.lr: learned`` (it applies only then), and
+    ``privacy`` only when given."""
     data = config.model_dump(mode="json")
     if config.server.lr != "learned":
         data.pop("learned_lr")
+    if config.privacy is None:
+        data.pop("privacy")
     return data
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from fedax.reproduce.dp_paper import ADAPTIVE_CLIPPING, DP_FEDAVG_MNIST
 from fedax.reproduce.fad_client_weights import CLIENT_WEIGHTS
 from fedax.reproduce.fad_server_lr import SERVER_LR
 from fedax.reproduce.fedavg_paper import MNIST_2NN, MNIST_CNN, SHAKESPEARE
@@ -29,7 +30,8 @@ from fedax.reproduce.scaffold_paper import SCAFFOLD_MNIST
 # Each module defines its experiments; add new ones to this tuple.
 EXPERIMENTS: dict[str, Experiment | CustomExperiment] = {
     e.name: e for e in (MNIST_2NN, MNIST_CNN, SHAKESPEARE, SERVER_LR, CLIENT_WEIGHTS,
-                        SCAFFOLD_MNIST, FEDPROX_SYNTHETIC, FEDOPT_FASHION)
+                        SCAFFOLD_MNIST, FEDPROX_SYNTHETIC, FEDOPT_FASHION,
+                        ADAPTIVE_CLIPPING, DP_FEDAVG_MNIST)
 }
 
 

@@ -1,0 +1,735 @@
+"""Private hypergradients: the derivative of a DP round releases only clipped, noised sums.
+
+A DP round (``fedax.aggregators.dp_gaussian``) releases one privatized sum per round on its
+train cohort S_t, Δ̃_t = (Σ_{k∈S_t} clip_S(Δ_k) + N(0, (zS)²)) / D. ``fedax.hyper`` then
+evaluates a holdout loss on fresh clients H_t,
+L_H(x_{t+1}) = Σ_{k∈H_t} (n_k/n_H) F_k(x_{t+1}), and differentiates it w.r.t. hyperparameters
+h. Every value that moves from clients to the server is a ``federated_sum``, so the question
+"does the derivative leak more than the round?" is: which sums does differentiation add,
+which of them depend on client data, and are those clipped and noised?
+
+Which sums each mode adds
+-------------------------
+
+*Reverse mode* transposes every broadcast of a value that depends on h into a sum of
+per-client cotangents, ``Σ_k J_kᵀ ḡ`` (J_k: client k's Jacobian, through its own data): a
+model-sized, data-dependent client→server release that the forward DP aggregator never sees.
+Sums transpose into broadcasts (server→client: no release). Where this happens:
+
+* the holdout broadcast of x_{t+1}, always (x_{t+1} depends on η): the server receives
+  ``Σ_{k∈H} (n_k/n_H) ∇F_k(x_{t+1})``, a sum of holdout clients' gradients;
+* the train broadcast of the payload x_t, only when x_t depends on h: a hypergradient through
+  T > 1 rounds (``hypergradient``), or a hyperparameter sent to the clients. Through ONE
+  round with the server learning rate only (``learned_server_lr_in_state``), x_t does not
+  depend on η and JAX's partial evaluation leaves the whole train cohort out of the backward
+  pass: ∂L/∂u = −η ⟨∇L_H(x_{t+1}), Δ̃_t⟩ uses the released Δ̃_t (post-processing), and the
+  train cohort releases nothing more than the round. On the jaxpr of
+  ``learned_server_lr_in_state(mode="reverse")`` around a ``dp_gaussian`` FedAvg round the
+  derivative program holds exactly one sum per model leaf: the holdout's transposed
+  broadcast (``tests/test_private_hypergradient.py`` checks it). So even this case leaks,
+  on the holdout clients;
+* the broadcast of anything else that depends on h (aggregator state, a client-side
+  hyperparameter placed with ``broadcast``). A hyperparameter that client code *closes
+  over* (the client learning rate of ``fedavg``) is summed by ``vmap``'s own transpose,
+  outside the placement primitives: invisible to the audit below, and not privatizable
+  without broadcasting it as part of the payload.
+
+*Forward mode* carries a tangent with every value: broadcasts carry tangents down (no
+release), and every sum carries a tangent sum up, a second release next to the primal one.
+The data-dependent tangent sums are:
+
+* holdout: ``Σ_k w_k ⟨∇F_k(x_{t+1}), ẋ_{t+1}⟩``, one scalar per holdout client and tangent
+  direction (for the server lr ẋ_{t+1} = −η Δ̃_t, computed on the server from the release);
+* train, only when a tangent reaches the train clients (T > 1 rounds, a carried tangent as
+  in ``learned_server_lr_carried``, a client hyperparameter): then the DP aggregator's JVP
+  releases ``Σ_k ∂clip(Δ_k)[Δ̇_k]``, where the clip's Jacobian has norm ≤ 1 but Δ̇_k is
+  unbounded, and the noise has tangent zero (its key is fixed): an unclipped, unnoised
+  release. fedax's DP aggregators do not privatize tangents, so forward mode is private
+  only while tangents stay off the train cohort (one round, server-side hyperparameters),
+  which is what :func:`private_learned_server_lr` does.
+
+In both modes the primal holdout loss itself, ``Σ n_k F_k / Σ n_k`` (metric
+``holdout_loss``), is an unnoised release of holdout data (and Σ n_k of their sizes).
+
+Privatizing, and what it costs
+------------------------------
+
+Each fix is one Gaussian release of multiplier z (noise standard deviation over the clip
+norm, i.e. over the sensitivity of the sum under adding or removing one client) on the
+cohort it sums over; a Gaussian release costs the same ε whatever its dimension.
+
+* reverse: :func:`private_broadcast` is ``fed.broadcast`` whose backward clips each
+  client's cotangent to L2 norm ``clip``, sums with ``fed.sum`` and adds N(0, (z·clip)²):
+  +1 release per privatized broadcast per round. :func:`with_private_payload` does this
+  for a round's payload (train cohort, multi-round hypergradients).
+* forward: the tangent sum is clipped per client and noised with its own key: +1 release
+  per scalar tangent direction (hyperparameter) per privatized sum per round. With
+  ``jax.jacfwd`` over several directions the directions would share the noise (one key
+  under ``vmap``), revealing their differences: use one ``jax.jvp`` per direction and key.
+* the holdout loss value: +1 if released (``HoldoutPrivacy.release_loss``); otherwise
+  nothing is summed for it (its value is not computed, only its derivative).
+
+For the learned server learning rate (:func:`private_learned_server_lr`) both modes cost
+the same: per round 1 holdout release for the hypergradient, +1 for the loss value
+(:func:`extra_releases_per_round`). Forward mode is the better one for a scalar
+hyperparameter: its noise on the hypergradient is z·T/D_H with T bounding
+|⟨∇F_k, ẋ⟩|, while reverse mode's is z·G·‖ẋ‖/D_H with G bounding ‖∇F_k‖, and
+T = G‖ẋ‖ always suffices (Cauchy-Schwarz). For k hyperparameters reverse mode costs 1
+release, forward mode k.
+
+Accounting: ``fedax.privacy.epsilon(..., extra_releases_per_round=k)`` counts k more
+Gaussian releases on the round's own Poisson sample. The holdout releases are on H_t, a
+separate sample; when H_t is sampled independently at the same rate q this is an upper
+bound (at small q a round costs ≈ q²(e^{(1+k)/z²} − 1) in Rényi DP counted on one sample,
+and q²(e^{1/z²} − 1) + q²(e^{k/z²} − 1) on two; the test checks the bound numerically).
+
+Keys: every release draws from its own key, split from the round key with
+``jax.random.split``. Not ``fold_in(key, i)`` next to ``split(key, n)``: with JAX's
+(default) partitionable threefry, ``fold_in(key, i) == split(key, n)[i]``, and reusing
+noise between two releases reveals the difference of the sums exactly.
+
+The audit
+---------
+
+:func:`audit_sums` walks a jaxpr (``jax.make_jaxpr``) and reports every ``federated_sum``.
+The clip and the noise are marker primitives that *are* the operations
+(``federated_dp_clip``: each client's pytree scaled to L2 norm ≤ clip;
+``federated_dp_noise``: add N(0, stddev²) from a key), so a sum counts as private exactly
+when (1) its operand is an output of ``federated_dp_clip`` and (2) its result goes nowhere
+but into ``federated_dp_noise`` with stddev > 0; its multiplier is stddev/clip. A sum is in
+the *derivative program* when JAX traced it in a transpose (its name stack says
+``transpose(...)``, or an enclosing equation's does). The check is dataflow, not a name:
+renaming or wrapping a plain sum does not pass it, and a clipped sum whose raw value is
+also used elsewhere fails it. It assumes the default ``vmap`` map strategy (under
+``sequential``/``unroll`` the client-side clip of :func:`with_private_payload` sits inside
+a loop body or per-client copies, and its sums are reported as unprivatized).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from fedax import federated as fed
+from fedax.aggregators.dp import _non_negative, _positive
+from fedax.algorithms import (
+    CohortBatches,
+    FederatedAlgorithm,
+    RoundPieces,
+    compose,
+    server_learning_rate,
+    with_server_learning_rate,
+)
+from fedax.algorithms.base import client_mean_loss
+from fedax.client import LossFn
+from fedax.hyper.hypergradient import Mode
+from fedax.hyper.hypergradient_descent import HyperCohort, HyperState
+
+CLIP_PRIMITIVE = "federated_dp_clip"
+NOISE_PRIMITIVE = "federated_dp_noise"
+
+# ----------------------------------------------------------------- the marker primitives
+#
+# Both take a flat list of array leaves. ``batch_ndim`` leading axes index independent
+# groups (clients; vmap adds one more): the clip norm is taken per group over all leaves
+# and the remaining axes; the noise is drawn for one group and shared along those axes
+# (what an unbatched key gives under vmap).
+
+dp_clip_p = Primitive(CLIP_PRIMITIVE)
+dp_clip_p.multiple_results = True
+dp_noise_p = Primitive(NOISE_PRIMITIVE)
+dp_noise_p.multiple_results = True
+
+
+def _clip_impl(*leaves, clip, batch_ndim):
+    leaves = [jnp.asarray(a) for a in leaves]
+    batch = leaves[0].shape[:batch_ndim]
+    acc = jnp.promote_types(jnp.result_type(*leaves), jnp.float32)
+    squares = [jnp.sum(jnp.square(a.astype(acc)), axis=tuple(range(batch_ndim, a.ndim)))
+               for a in leaves]
+    norm = jnp.sqrt(functools.reduce(jnp.add, squares))
+    factor = jnp.minimum(1.0, clip / jnp.maximum(norm, 1e-30))
+    finite = jnp.isfinite(norm)  # a non-finite client counts for nothing (by selection)
+
+    def scale(a):
+        shape = batch + (1,) * (a.ndim - batch_ndim)
+        scaled = a * factor.reshape(shape).astype(a.dtype)
+        return jnp.where(finite.reshape(shape), scaled, jnp.zeros((), a.dtype))
+
+    return [scale(a) for a in leaves]
+
+
+def _clip_abstract_eval(*avals, clip, batch_ndim):
+    del clip
+    batches = {tuple(a.shape[:batch_ndim]) for a in avals}
+    if len(batches) != 1 or any(a.ndim < batch_ndim for a in avals):
+        raise ValueError(f"{CLIP_PRIMITIVE}: leaves disagree on the {batch_ndim} leading "
+                         f"(client) axes: {sorted(batches)}.")
+    if not all(jnp.issubdtype(a.dtype, jnp.inexact) for a in avals):
+        raise TypeError(f"{CLIP_PRIMITIVE} clips float values only.")
+    return list(avals)
+
+
+def _to_front(args, dims):
+    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+    return [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims, strict=True)]
+
+
+def _clip_batch(args, dims, *, clip, batch_ndim):
+    out = dp_clip_p.bind(*_to_front(args, dims), clip=clip, batch_ndim=batch_ndim + 1)
+    return out, [0] * len(out)
+
+
+def _clip_jvp(primals, tangents, *, clip, batch_ndim):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    out = dp_clip_p.bind(*primals, clip=clip, batch_ndim=batch_ndim)
+    _, tangent_out = jax.jvp(functools.partial(_clip_impl, clip=clip, batch_ndim=batch_ndim),
+                             tuple(primals), tuple(tangents))
+    return out, list(tangent_out)
+
+
+def _noise_impl(*operands, stddev, batch_ndim):
+    *leaves, key = operands
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for k, a in zip(keys, leaves, strict=True):
+        a = jnp.asarray(a)
+        dtype = jnp.result_type(a)
+        noise = jax.random.normal(k, a.shape[batch_ndim:], dtype) * jnp.asarray(stddev, dtype)
+        out.append(a + noise)
+    return out
+
+
+def _noise_abstract_eval(*avals, stddev, batch_ndim):
+    del stddev, batch_ndim
+    *values, _ = avals
+    if not all(jnp.issubdtype(a.dtype, jnp.inexact) for a in values):
+        raise TypeError(f"{NOISE_PRIMITIVE} noises float values only.")
+    return list(values)
+
+
+def _noise_batch(args, dims, *, stddev, batch_ndim):
+    if dims[-1] is not None:
+        raise NotImplementedError(
+            f"{NOISE_PRIMITIVE} under vmap with a batched key; map over the values only.")
+    values = _to_front(args[:-1], dims[:-1])
+    out = dp_noise_p.bind(*values, args[-1], stddev=stddev, batch_ndim=batch_ndim + 1)
+    return out, [0] * len(out)
+
+
+def _noise_jvp(primals, tangents, *, stddev, batch_ndim):
+    out = dp_noise_p.bind(*primals, stddev=stddev, batch_ndim=batch_ndim)
+    return out, [ad.instantiate_zeros(t) for t in tangents[:-1]]  # noise: tangent zero
+
+
+dp_clip_p.def_impl(_clip_impl)
+dp_clip_p.def_abstract_eval(_clip_abstract_eval)
+mlir.register_lowering(dp_clip_p, mlir.lower_fun(_clip_impl, multiple_results=True))
+batching.primitive_batchers[dp_clip_p] = _clip_batch
+ad.primitive_jvps[dp_clip_p] = _clip_jvp
+
+dp_noise_p.def_impl(_noise_impl)
+dp_noise_p.def_abstract_eval(_noise_abstract_eval)
+mlir.register_lowering(dp_noise_p, mlir.lower_fun(_noise_impl, multiple_results=True))
+batching.primitive_batchers[dp_noise_p] = _noise_batch
+ad.primitive_jvps[dp_noise_p] = _noise_jvp
+
+
+def dp_clip(tree: Any, clip: float, *, client_placed: bool = True) -> Any:
+    """Each client's value scaled to L2 norm at most ``clip`` (the global norm over every
+    leaf, as ``dp_gaussian``'s flat clip); a client with a non-finite norm becomes zeros.
+    ``client_placed``: leaves have a leading clients axis; otherwise ``tree`` is one
+    client's value (inside ``map_clients``)."""
+    clip = _positive("dp_clip clip", clip)
+    leaves, treedef = jax.tree.flatten(tree)
+    out = dp_clip_p.bind(*leaves, clip=clip, batch_ndim=1 if client_placed else 0)
+    return jax.tree.unflatten(treedef, out)
+
+
+def dp_noise(tree: Any, stddev: float, key: jax.Array) -> Any:
+    """``tree`` (server-placed) plus N(0, stddev²) on every coordinate, drawn from ``key``
+    as ``dp_gaussian`` draws its noise (one split per leaf)."""
+    stddev = _non_negative("dp_noise stddev", stddev)
+    if key is None:
+        raise ValueError("dp_noise needs a key (the noise of a DP release).")
+    leaves, treedef = jax.tree.flatten(tree)
+    out = dp_noise_p.bind(*leaves, key, stddev=stddev, batch_ndim=0)
+    return jax.tree.unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------------- private sums
+
+
+def _check_key(what: str, noise_multiplier: float, key) -> None:
+    if key is None and noise_multiplier > 0:
+        raise ValueError(f"{what} adds noise and needs a key (noise_multiplier > 0).")
+
+
+def private_sum(values: Any, *, clip: float, noise_multiplier: float,
+                key: jax.Array | None) -> Any:
+    """Clients → server, privatized: Σ_k clip(v_k) + N(0, (z·clip)²) per coordinate.
+
+    ``values`` is client-placed (a client that should not count must be zeros). The sum
+    has sensitivity ``clip`` under adding or removing one client, so it is one Gaussian
+    release of multiplier z. z = 0 adds no noise (not private; ``key`` may be None).
+    Differentiable in ``values`` (the noise has derivative zero).
+    """
+    clip = _positive("private_sum clip", clip)
+    z = _non_negative("private_sum noise_multiplier", noise_multiplier)
+    _check_key("private_sum", z, key)
+    total = fed.sum(dp_clip(values, clip))
+    return total if key is None else dp_noise(total, z * clip, key)
+
+
+def private_broadcast(x: Any, n: int, *, clip: float, noise_multiplier: float,
+                      key: jax.Array | None) -> Any:
+    """``fed.broadcast(x, n)`` whose reverse-mode derivative is a private sum.
+
+    The backward pass receives one cotangent per client; it clips each to L2 norm
+    ``clip``, sums them with ``fed.sum`` and adds N(0, (z·clip)²) from ``key``
+    (:func:`private_sum`): one Gaussian release of multiplier z instead of the plain
+    transposed broadcast. Reverse mode only (a ``custom_vjp``): forward-mode tangents go
+    server → client and need no privacy. ``x`` must be float-valued.
+    """
+    clip = _positive("private_broadcast clip", clip)
+    z = _non_negative("private_broadcast noise_multiplier", noise_multiplier)
+    _check_key("private_broadcast", z, key)
+    if not all(jnp.issubdtype(jnp.result_type(a), jnp.inexact) for a in jax.tree.leaves(x)):
+        raise TypeError("private_broadcast places float values only (an integer value has "
+                        "no cotangent); broadcast it with fedax.federated.broadcast.")
+
+    @jax.custom_vjp
+    def place(x, key):
+        del key
+        return fed.broadcast(x, n)
+
+    def forward(x, key):
+        return fed.broadcast(x, n), key
+
+    def backward(key, cotangent):
+        return private_sum(cotangent, clip=clip, noise_multiplier=z, key=key), None
+
+    place.defvjp(forward, backward)
+    return place(x, key)
+
+
+def _noise_on_the_way_back(tree: Any, stddev: float, key: jax.Array | None) -> Any:
+    """Identity (server side) whose backward pass adds N(0, stddev²) to the cotangent."""
+
+    @jax.custom_vjp
+    def identity(tree, key):
+        del key
+        return tree
+
+    def forward(tree, key):
+        return tree, key
+
+    def backward(key, cotangent):
+        return (cotangent if key is None else dp_noise(cotangent, stddev, key)), None
+
+    identity.defvjp(forward, backward)
+    return identity(tree, key)
+
+
+def _clip_on_the_way_back(tree: Any, clip: float) -> Any:
+    """Identity (one client, inside ``map_clients``) whose backward pass clips the
+    cotangent to L2 norm ``clip``."""
+
+    @jax.custom_vjp
+    def identity(tree):
+        return tree
+
+    def backward(_, cotangent):
+        return (dp_clip(cotangent, clip, client_placed=False),)
+
+    identity.defvjp(lambda tree: (tree, None), backward)
+    return identity(tree)
+
+
+def privatize_payload(pieces: RoundPieces, *, clip: float, noise_multiplier: float,
+                      key: jax.Array | None) -> RoundPieces:
+    """``pieces`` whose payload broadcast transposes into a private sum (reverse mode).
+
+    The round is unchanged; in its derivative, each client clips its cotangent w.r.t. the
+    payload to ``clip`` (inside ``map_clients``), the transposed broadcast sums the
+    clipped cotangents, and the server adds N(0, (z·clip)²) from ``key`` (use a fresh key
+    per round; see :func:`with_private_payload`). +1 release per round on the train cohort.
+    Reverse mode only.
+    """
+    clip = _positive("privatize_payload clip", clip)
+    z = _non_negative("privatize_payload noise_multiplier", noise_multiplier)
+    _check_key("privatize_payload", z, key)
+
+    def payload(server):
+        return _noise_on_the_way_back(pieces.payload(server), z * clip, key)
+
+    def client_update(payload, client_state, batches, num_examples):
+        return pieces.client_update(_clip_on_the_way_back(payload, clip), client_state,
+                                    batches, num_examples)
+
+    return pieces._replace(payload=payload, client_update=client_update)
+
+
+def with_private_payload(algorithm: FederatedAlgorithm, *, clip: float,
+                         noise_multiplier: float) -> FederatedAlgorithm:
+    """``algorithm`` (composed of ``RoundPieces``) whose rounds privatize the payload's
+    transposed broadcast (:func:`privatize_payload`), each round with its own key split from
+    the round key; the round's other key is the algorithm's. For hypergradients through
+    several rounds (reverse mode), where the cotangent of x_t reaches the train clients.
+    Give every round its own key (``fedax.hyper.loss_after_rounds`` passes one key to every
+    round: it would repeat the noise)."""
+    if algorithm.pieces is None:
+        raise ValueError("with_private_payload needs an algorithm composed of RoundPieces "
+                         "(algorithm.pieces is None).")
+    pieces = algorithm.pieces
+    _positive("with_private_payload clip", clip)
+    _non_negative("with_private_payload noise_multiplier", noise_multiplier)
+
+    def round_fn(state, cohort, key):
+        round_key, payload_key = jax.random.split(key)
+        private = privatize_payload(pieces, clip=clip, noise_multiplier=noise_multiplier,
+                                    key=payload_key)
+        table = None if state.clients is None else jax.tree.leaves(state.clients)[0].shape[0]
+        return compose(private, table).round(state, cohort, round_key)
+
+    return FederatedAlgorithm(algorithm.init, round_fn, algorithm.server_params, pieces)
+
+
+# ------------------------------------------------------------------- the holdout loss
+
+
+@dataclasses.dataclass(frozen=True)
+class HoldoutPrivacy:
+    """How the holdout clients' releases of a hypergradient are privatized.
+
+    Attributes:
+      noise_multiplier: z ≥ 0 of every holdout release (z = 0: not private).
+      denominator: D_H > 0, the fixed divisor of the holdout sums: the expected number of
+        holdout clients (as ``dp_gaussian``'s D; the realised count would leak). Every
+        client with n_k > 0 counts with weight 1.
+      grad_clip: reverse mode: L2 bound of one holdout client's gradient of its (clipped)
+        loss w.r.t. the model; its cotangent, (1/D_H)·∇, is clipped to grad_clip/D_H.
+      tangent_clip: forward mode: bound of |dF_k/dh| per client, per unit tangent.
+      loss_clip: bound of |F_k| in the released loss value (a client's loss is scaled to
+        it, so a loss above it has derivative zero).
+      release_loss: release the loss value (+1 release); if False the round computes no
+        holdout loss value, only its derivative, and reports no ``holdout_loss``.
+    """
+
+    noise_multiplier: float
+    denominator: float
+    grad_clip: float | None = None
+    tangent_clip: float | None = None
+    loss_clip: float | None = None
+    release_loss: bool = True
+
+    def __post_init__(self):
+        _non_negative("HoldoutPrivacy noise_multiplier", self.noise_multiplier)
+        _positive("HoldoutPrivacy denominator", self.denominator)
+        for name in ("grad_clip", "tangent_clip", "loss_clip"):
+            if getattr(self, name) is not None:
+                _positive(f"HoldoutPrivacy {name}", getattr(self, name))
+        if self.release_loss and self.loss_clip is None:
+            raise ValueError("HoldoutPrivacy release_loss=True needs loss_clip (the bound of "
+                             "one client's loss in the released value).")
+
+    def check(self, mode: Mode) -> None:
+        """Raise if ``mode`` needs a clip that is not set."""
+        if mode not in ("forward", "reverse"):
+            raise ValueError(f"mode must be 'forward' or 'reverse', got {mode!r}.")
+        needed = "grad_clip" if mode == "reverse" else "tangent_clip"
+        if getattr(self, needed) is None:
+            raise ValueError(f"HoldoutPrivacy needs {needed} for mode={mode!r}.")
+
+
+def _gradient_only_total(values: jax.Array) -> jax.Array:
+    """A server-placed zero whose derivative is that of ``fed.sum(values)``: the clients
+    send nothing for the value, and the backward pass only broadcasts (server → client)."""
+    n = values.shape[0]
+
+    @jax.custom_vjp
+    def total(values):
+        return jnp.zeros(values.shape[1:], values.dtype)
+
+    def backward(_, cotangent):
+        return (fed.broadcast(cotangent, n),)
+
+    total.defvjp(lambda values: (total(values), None), backward)
+    return total(values)
+
+
+def _forward_private_total(values: jax.Array, privacy: HoldoutPrivacy, value_key,
+                           tangent_key) -> jax.Array:
+    """Σ_k clip(F_k) released privately (or not computed), with a private tangent sum."""
+    z = privacy.noise_multiplier
+
+    def clipped(v):
+        if privacy.loss_clip is None:
+            return v
+        return _clip_impl(v, clip=privacy.loss_clip, batch_ndim=1)[0]
+
+    @jax.custom_jvp
+    def total(v):
+        if privacy.release_loss:
+            return private_sum(v, clip=privacy.loss_clip, noise_multiplier=z, key=value_key)
+        return jnp.zeros(v.shape[1:], v.dtype)
+
+    @total.defjvp
+    def total_jvp(primals, tangents):
+        (v,), (t,) = primals, tangents
+        _, t = jax.jvp(clipped, (v,), (t,))
+        return total(v), private_sum(t, clip=privacy.tangent_clip, noise_multiplier=z,
+                                     key=tangent_key)
+
+    return total(values)
+
+
+def private_federated_loss(loss_fn: LossFn, params: Any, cohort: CohortBatches,
+                           privacy: HoldoutPrivacy, key: jax.Array | None, *,
+                           mode: Mode = "reverse") -> jax.Array:
+    """The holdout loss (1/D_H) Σ_k clip(F_k), its value and its derivative privatized.
+
+    Each client k with n_k > 0 (and a finite loss) contributes its mean loss F_k over its
+    real batches, clipped to ``loss_clip``; the value is released with noise
+    (``release_loss``) or not computed. Its derivative w.r.t. ``params`` in ``mode``:
+
+    * reverse: the model reaches the clients by :func:`private_broadcast`, so the gradient
+      sum each client's ∇F_k/D_H flows into is clipped (to grad_clip/D_H) and noised;
+    * forward: the tangent sum of the dF_k (one per jvp direction) is clipped to
+      ``tangent_clip`` and noised (a ``custom_jvp``; one ``jax.jvp`` direction per key).
+
+    Releases: 1 for the derivative, +1 for the value if released; each multiplier z.
+    """
+    privacy.check(mode)
+    z, denominator = privacy.noise_multiplier, privacy.denominator
+    _check_key("private_federated_loss", z, key)
+    value_key, derivative_key = (None, None) if key is None else jax.random.split(key)
+    n = cohort.num_examples.shape[0]
+    if mode == "reverse":
+        at_clients = private_broadcast(params, n, clip=privacy.grad_clip / denominator,
+                                       noise_multiplier=z, key=derivative_key)
+    else:
+        at_clients = fed.broadcast(params, n)
+    losses = fed.map_clients(functools.partial(client_mean_loss, loss_fn), at_clients,
+                             cohort.batches)
+    counted = jnp.logical_and(cohort.num_examples > 0, jnp.isfinite(losses))
+    losses = jnp.where(counted, losses, jnp.zeros((), losses.dtype))
+    if mode == "forward":
+        total = _forward_private_total(losses, privacy, value_key, derivative_key)
+    elif privacy.release_loss:
+        total = private_sum(losses, clip=privacy.loss_clip, noise_multiplier=z, key=value_key)
+    else:
+        if privacy.loss_clip is not None:
+            losses = dp_clip(losses, privacy.loss_clip)
+        total = _gradient_only_total(losses)
+    return total / jnp.asarray(denominator, total.dtype)
+
+
+# --------------------------------------------------------- the learned server learning rate
+
+
+def private_learned_server_lr(
+    algorithm: FederatedAlgorithm,
+    init_lr: float,
+    loss_fn: LossFn,
+    privacy: HoldoutPrivacy,
+    hyper_optimizer: optax.GradientTransformation | None = None,
+    mode: Mode = "reverse",
+) -> FederatedAlgorithm:
+    """``fedax.hyper.learned_server_lr_in_state`` whose hypergradient is private.
+
+    Each round sets η = exp(u) in ``algorithm``'s server optimizer state, runs the round
+    (with its own DP aggregator: the train cohort's release), and descends the holdout loss
+    :func:`private_federated_loss` in u by its one-round hypergradient, in ``mode``. Through
+    one round the derivative sends nothing to the train clients (module docstring), so the
+    holdout releases are the only extra ones: :func:`extra_releases_per_round` (1, +1 with
+    ``privacy.release_loss``). The round key is split: one key for the round, one for the
+    holdout releases.
+
+    The round takes a ``HyperCohort``; metrics add ``server_lr`` (the η used),
+    ``hypergradient`` (the noisy one), ``hypergradient_norm`` and, if released,
+    ``holdout_loss``. Default hyper-optimizer: ``optax.adam(0.05)`` on log η.
+    """
+    privacy.check(mode)
+    hyper_optimizer = hyper_optimizer or optax.adam(0.05)
+
+    def with_lr(log_lr):
+        def round_fn(state, cohort, key):
+            server = state.server
+            opt_state = with_server_learning_rate(server.opt_state, jnp.exp(log_lr))
+            return algorithm.round(
+                state._replace(server=server._replace(opt_state=opt_state)), cohort, key)
+
+        return round_fn
+
+    def init(params, key):
+        inner = algorithm.init(params, key)
+        held = getattr(getattr(inner, "server", None), "opt_state", None)
+        if held is None or server_learning_rate(held) is None:
+            raise ValueError(
+                "a learned server learning rate needs an algorithm whose state holds its "
+                "server optimizer's learning rate (built with "
+                "fedax.algorithms.server_optimizer, as the registry does).")
+        log_lr = jnp.log(jnp.float32(init_lr))
+        return HyperState(inner, log_lr, hyper_optimizer.init(log_lr))
+
+    def round_fn(state: HyperState, cohort: HyperCohort, key):
+        round_key, holdout_key = jax.random.split(key)
+
+        def objective(log_lr):
+            inner, metrics = with_lr(log_lr)(state.inner, cohort.train, round_key)
+            loss = private_federated_loss(loss_fn, algorithm.server_params(inner),
+                                          cohort.holdout, privacy, holdout_key, mode=mode)
+            return loss, (inner, metrics)
+
+        if mode == "reverse":
+            (loss, (inner, metrics)), grad = jax.value_and_grad(objective, has_aux=True)(
+                state.hparams)
+        else:
+            loss, grad, (inner, metrics) = jax.jvp(
+                objective, (state.hparams,), (jnp.ones_like(state.hparams),), has_aux=True)
+        updates, hyper_state = hyper_optimizer.update(grad, state.hyper_opt_state,
+                                                      state.hparams)
+        log_lr = optax.apply_updates(state.hparams, updates)
+        metrics = dict(metrics, server_lr=jnp.exp(state.hparams), hypergradient=grad,
+                       hypergradient_norm=jnp.abs(grad))
+        if privacy.release_loss:
+            metrics["holdout_loss"] = loss
+        return HyperState(inner, log_lr, hyper_state), metrics
+
+    return FederatedAlgorithm(init, round_fn, lambda state: algorithm.server_params(
+        state.inner))
+
+
+def extra_releases_per_round(mode: Mode, *, hyperparameters: int = 1,
+                             release_loss: bool = True, private_payload: bool = False) -> int:
+    """Gaussian releases a private hypergradient adds per round, for
+    ``fedax.privacy.epsilon(..., extra_releases_per_round=k)`` (each at the round's z).
+
+    * reverse: 1 (the holdout gradient sum, whatever the number of hyperparameters)
+      + 1 if the loss value is released + 1 if the payload's transposed broadcast is
+      privatized (``with_private_payload``, hypergradients through several rounds);
+    * forward: one tangent sum per scalar hyperparameter (jvp direction) + 1 if the loss
+      value is released. A tangent that reaches the train clients would need each DP
+      sum's tangent privatized too (+``hyperparameters`` per sum), which fedax's DP
+      aggregators do not do: ``private_payload`` is an error in forward mode.
+
+    (The holdout releases are on the holdout cohort; counted on the train cohort's sample
+    they give an upper bound, see the module docstring.)
+    """
+    if mode not in ("forward", "reverse"):
+        raise ValueError(f"mode must be 'forward' or 'reverse', got {mode!r}.")
+    if isinstance(hyperparameters, bool) or not isinstance(hyperparameters, int) \
+            or hyperparameters < 1:
+        raise ValueError(f"hyperparameters must be a whole number >= 1 (scalar "
+                         f"hyperparameters), got {hyperparameters!r}.")
+    if mode == "reverse":
+        return 1 + int(bool(release_loss)) + int(bool(private_payload))
+    if private_payload:
+        raise ValueError(
+            "forward mode cannot privatize the train cohort: its tangents ride through the "
+            "DP aggregator's sum unclipped and unnoised (fedax's DP aggregators do not "
+            "privatize tangents); use mode='reverse' with with_private_payload.")
+    return hyperparameters + int(bool(release_loss))
+
+
+# ------------------------------------------------------------------------------ the audit
+
+
+class SumAudit(NamedTuple):
+    """One ``federated_sum`` of a jaxpr.
+
+    Attributes:
+      shape: the operand's shape (clients axis first).
+      derivative: traced in a transpose (reverse mode's derivative program).
+      private: operand from ``federated_dp_clip``, result only into ``federated_dp_noise``
+        with stddev > 0.
+      noise_multiplier: stddev/clip when private, else None.
+      name_stack: where JAX traced it.
+    """
+
+    shape: tuple[int, ...]
+    derivative: bool
+    private: bool
+    noise_multiplier: float | None
+    name_stack: str
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(sub, "jaxpr", sub)
+            if isinstance(inner, jax.extend.core.Jaxpr):
+                yield inner
+
+
+def _audit(jaxpr, in_derivative: bool, found: list[SumAudit]) -> None:
+    producer, consumers = {}, {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            producer[v] = eqn
+        for v in eqn.invars:
+            if isinstance(v, jax.extend.core.Var):
+                consumers.setdefault(v, []).append(eqn)
+    outputs = {v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var)}
+    for eqn in jaxpr.eqns:
+        stack = str(eqn.source_info.name_stack)
+        derivative = in_derivative or "transpose(" in stack
+        if eqn.primitive.name == "federated_sum":
+            operand, result = eqn.invars[0], eqn.outvars[0]
+            source = producer.get(operand) if isinstance(operand, jax.extend.core.Var) \
+                else None
+            uses = consumers.get(result, [])
+            multiplier = None
+            if (source is not None and source.primitive.name == CLIP_PRIMITIVE
+                    and result not in outputs and uses
+                    and all(u.primitive.name == NOISE_PRIMITIVE for u in uses)):
+                stddevs = {u.params["stddev"] for u in uses}
+                if min(stddevs) > 0:
+                    multiplier = min(stddevs) / source.params["clip"]
+            found.append(SumAudit(tuple(operand.aval.shape), derivative, multiplier is not None,
+                                  multiplier, stack))
+        for sub in _sub_jaxprs(eqn):
+            _audit(sub, derivative, found)
+
+
+def audit_sums(jaxpr: Any) -> list[SumAudit]:
+    """Every ``federated_sum`` of ``jaxpr`` (a ``jax.make_jaxpr`` result), nested jaxprs
+    included, with whether it is in the derivative program and whether it is private (see
+    the module docstring: dataflow from ``federated_dp_clip`` into ``federated_dp_noise``)."""
+    found: list[SumAudit] = []
+    _audit(getattr(jaxpr, "jaxpr", jaxpr), False, found)
+    return found
+
+
+def unprivatized_sums(jaxpr: Any, *, derivative_only: bool = True) -> list[SumAudit]:
+    """The sums of :func:`audit_sums` that are not private (in the derivative program only,
+    by default): empty means no client → server sum there bypasses clip and noise."""
+    return [s for s in audit_sums(jaxpr) if not s.private and
+            (s.derivative or not derivative_only)]
+
+
+__all__ = [
+    "CLIP_PRIMITIVE",
+    "NOISE_PRIMITIVE",
+    "HoldoutPrivacy",
+    "SumAudit",
+    "audit_sums",
+    "dp_clip",
+    "dp_noise",
+    "extra_releases_per_round",
+    "private_broadcast",
+    "private_federated_loss",
+    "private_learned_server_lr",
+    "private_sum",
+    "privatize_payload",
+    "unprivatized_sums",
+    "with_private_payload",
+]
