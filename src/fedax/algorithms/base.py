@@ -185,8 +185,9 @@ class RoundPieces(NamedTuple):
       reweigh: None, or ``reweigh(weights, stats) -> weights`` on client-placed ``[C]``
         arrays, written with the placement primitives (learned client weights).
       keyed: the client update takes a fifth argument, its own PRNG key (example-level
-        DP-SGD's noise): in simulation the round key folded with 1, split per client (the
-        aggregator's key is the round key itself); a real client uses its own secret key.
+        DP-SGD's noise): in simulation the round key folded with a constant of its own,
+        split per client (disjoint from the aggregator's keys); a real client uses its own
+        secret key.
     """
 
     server_init: Callable[[Any], Any]
@@ -198,6 +199,9 @@ class RoundPieces(NamedTuple):
     client_state: Callable[[Any], Any] | None = None
     reweigh: Callable[[jax.Array, dict[str, jax.Array]], jax.Array] | None = None
     keyed: bool = False
+
+
+_CLIENT_TRAINING_KEY = 0x636C6B65  # "clke": the stream of the clients' own training keys
 
 
 class RoundState(NamedTuple):
@@ -269,7 +273,10 @@ def cohort_round(
         if key is None:
             raise ValueError("this algorithm's clients draw random numbers (keyed client "
                              "update): give the round a key, not None.")
-        raw = jax.random.key_data(jax.random.split(jax.random.fold_in(key, 1), num_clients))
+        # Disjoint from the aggregator's keys: those are split(key, 3) and its descendants,
+        # i.e. fold_in(key, 0..2) under JAX's partitionable threefry.
+        raw = jax.random.key_data(
+            jax.random.split(jax.random.fold_in(key, _CLIENT_TRAINING_KEY), num_clients))
         extra = (raw,)
 
         def client_update(p, s, b, n, k):

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 
 from fedax.algorithms import CohortBatches, FederatedAlgorithm, federated_loss
 from fedax.client import LossFn
@@ -46,16 +47,21 @@ def loss_after_rounds(
     remat: bool = True,
 ) -> jax.Array:
     """Run ``T`` rounds of ``make_algorithm(hparams)`` from ``params`` (the cohorts stacked
-    along a leading axis of size T) and return the federated loss on ``eval_cohort``."""
+    along a leading axis of size T) and return the federated loss on ``eval_cohort``.
+    Round t's key is ``fold_in(key, t)`` (a DP aggregator must not reuse its noise across
+    rounds: the difference of two releases would reveal the difference of the sums)."""
     algorithm = make_algorithm(hparams)
     state = algorithm.init(params, key)
+    num_rounds = jax.tree.leaves(cohorts)[0].shape[0]
 
-    def one_round(state, cohort):
-        state, _ = algorithm.round(state, cohort, key)
+    def one_round(state, inputs):
+        cohort, t = inputs
+        round_key = None if key is None else jax.random.fold_in(key, t)
+        state, _ = algorithm.round(state, cohort, round_key)
         return state, None
 
     body = jax.checkpoint(one_round) if remat else one_round
-    state, _ = jax.lax.scan(body, state, cohorts)
+    state, _ = jax.lax.scan(body, state, (cohorts, jnp.arange(num_rounds)))
     return federated_loss(loss_fn, algorithm.server_params(state), eval_cohort)
 
 

@@ -370,9 +370,8 @@ def privatize_payload(pieces: RoundPieces, *, clip: float, noise_multiplier: flo
     def payload(server):
         return _noise_on_the_way_back(pieces.payload(server), z * clip, key)
 
-    def client_update(payload, client_state, batches, num_examples):
-        return pieces.client_update(_clip_on_the_way_back(payload, clip), client_state,
-                                    batches, num_examples)
+    def client_update(payload, *rest):  # rest: state, batches, n_k (and a key if keyed)
+        return pieces.client_update(_clip_on_the_way_back(payload, clip), *rest)
 
     return pieces._replace(payload=payload, client_update=client_update)
 
