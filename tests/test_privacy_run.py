@@ -154,3 +154,23 @@ def test_example_level_config_and_its_epsilon():
     want = max(epsilon(1.1, 10 / 60, 5 * 2 * 6, 1e-5), epsilon(1.1, 10 / 30, 5 * 2 * 3, 1e-5))
     assert ledger.epsilon_after(5) == pytest.approx(want, rel=1e-12)
     assert ledger.rounds_within(ledger.epsilon_after(5), 50) == 5
+
+
+@pytest.mark.parametrize("mechanism", ["gaussian", "adaptive"])
+def test_a_dp_run_over_two_devices_equals_one_device(tmp_path, mechanism):
+    """The cohort split over a 2-device mesh: a stateless DP aggregator (nothing to
+    broadcast) and a stateful one; the same noise, so the same numbers to float rounding.
+    z = 0 records epsilon as null ("no guarantee"), and the run's status stays ok."""
+    records = {}
+    for devices in (1, 2):
+        data = _config(mechanism=mechanism, clip=1.0, noise_multiplier=0.0)
+        data.update(rounds=2, execution={"devices": devices})
+        summary = run_experiment(validate_config(data), tmp_path / str(devices),
+                                 progress=False)
+        assert summary["status"] == "ok" and summary["privacy"]["epsilon"] is None
+        records[devices] = [json.loads(line)
+                            for line in (tmp_path / str(devices) / "metrics.jsonl").open()]
+    for one, two in zip(records[1], records[2], strict=True):
+        assert one["epsilon"] is None and one["status"] == "ok"
+        assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+        assert two["test_accuracy"] == pytest.approx(one["test_accuracy"], abs=2e-3)

@@ -98,19 +98,25 @@ def aggregate(
     stats = None
     if aggregator.client is not None:
         num_clients = weights.shape[0]
+        # The state goes down with a broadcast; a stateless aggregator's () has nothing to
+        # send (and a placement needs an array leaf), so it is closed over instead.
+        stateful = bool(jax.tree.leaves(state))
+        at_clients = (fed.broadcast(state, num_clients),) if stateful else ()
+
+        def with_state(client_state):
+            return client_state[0] if stateful else state
+
         if key is None:
             values, weights, stats = fed.map_clients(
-                lambda v, w, s: aggregator.client(v, w, s, None),
-                values, weights, fed.broadcast(state, num_clients))
+                lambda v, w, *s: aggregator.client(v, w, with_state(s), None),
+                values, weights, *at_clients)
         else:
-            def one(value, weight, state, raw_key):
-                return aggregator.client(value, weight, state,
+            def one(value, weight, raw_key, *client_state):
+                return aggregator.client(value, weight, with_state(client_state),
                                          jax.random.wrap_key_data(raw_key))
 
             values, weights, stats = fed.map_clients(
-                one, values, weights, fed.broadcast(state, num_clients),
-                _client_keys(client_key, num_clients),
-            )
+                one, values, weights, _client_keys(client_key, num_clients), *at_clients)
         if keep is not None:
             stats = jax.tree.map(
                 lambda s: jnp.where(keep.reshape(keep.shape + (1,) * (s.ndim - 1)), s,

@@ -94,11 +94,16 @@ class PrivacyPlan(NamedTuple):
             "noise_multiplier_calibrated": p.noise_multiplier is None,
             "sampling_probability": self.sampling_probability,
             "expected_clients": self.expected_clients,
-            "epsilon": self.ledger.epsilon_after(rounds_run),
+            # null: no guarantee (z = 0), not a diverged value
+            "epsilon": _finite_or_none(self.ledger.epsilon_after(rounds_run)),
             "rounds_within_budget": self.rounds,
             "stopped_by_budget": self.rounds < config.rounds,
             "accounting": self.ledger.describe(),
         }
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def privacy_plan(config: Config, num_clients: int,
@@ -542,7 +547,7 @@ def run_experiment(
             # does not change the run, so a resumed run may save more or less often.
             fingerprint=_fingerprint(config),
             record_fields=None if plan is None else (
-                lambda t: {"epsilon": plan.ledger.epsilon_after(t)}),
+                lambda t: {"epsilon": _finite_or_none(plan.ledger.epsilon_after(t))}),
             max_rejected_fraction=config.max_rejected_fraction,
         )
     except FloatingPointError as err:
