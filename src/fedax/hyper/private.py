@@ -124,13 +124,12 @@ from fedax.algorithms import (
     FederatedAlgorithm,
     RoundPieces,
     compose,
-    server_learning_rate,
-    with_server_learning_rate,
 )
 from fedax.algorithms.base import client_mean_loss
 from fedax.client import LossFn
 from fedax.hyper.hypergradient import Mode
 from fedax.hyper.hypergradient_descent import HyperCohort, HyperState
+from fedax.hyper.server_lr import require_injected_lr, with_state_lr
 
 CLIP_PRIMITIVE = "federated_dp_clip"
 NOISE_PRIMITIVE = "federated_dp_noise"
@@ -559,23 +558,9 @@ def private_learned_server_lr(
     privacy.check(mode)
     hyper_optimizer = hyper_optimizer or optax.adam(0.05)
 
-    def with_lr(log_lr):
-        def round_fn(state, cohort, key):
-            server = state.server
-            opt_state = with_server_learning_rate(server.opt_state, jnp.exp(log_lr))
-            return algorithm.round(
-                state._replace(server=server._replace(opt_state=opt_state)), cohort, key)
-
-        return round_fn
-
     def init(params, key):
         inner = algorithm.init(params, key)
-        held = getattr(getattr(inner, "server", None), "opt_state", None)
-        if held is None or server_learning_rate(held) is None:
-            raise ValueError(
-                "a learned server learning rate needs an algorithm whose state holds its "
-                "server optimizer's learning rate (built with "
-                "fedax.algorithms.server_optimizer, as the registry does).")
+        require_injected_lr(inner)
         log_lr = jnp.log(jnp.float32(init_lr))
         return HyperState(inner, log_lr, hyper_optimizer.init(log_lr))
 
@@ -583,7 +568,8 @@ def private_learned_server_lr(
         round_key, holdout_key = jax.random.split(key)
 
         def objective(log_lr):
-            inner, metrics = with_lr(log_lr)(state.inner, cohort.train, round_key)
+            inner, metrics = with_state_lr(algorithm, jnp.exp(log_lr)).round(
+                state.inner, cohort.train, round_key)
             loss = private_federated_loss(loss_fn, algorithm.server_params(inner),
                                           cohort.holdout, privacy, holdout_key, mode=mode)
             return loss, (inner, metrics)

@@ -51,6 +51,29 @@ def learned_server_lr(
     return FederatedAlgorithm(inner.init, round_fn, inner.server_params)
 
 
+def with_state_lr(algorithm: FederatedAlgorithm, lr: jax.Array) -> FederatedAlgorithm:
+    """``algorithm`` whose every round first sets the server learning rate held in its
+    ``RoundState.server.opt_state`` (``optax.inject_hyperparams``) to ``lr``."""
+
+    def round_fn(state, cohort, key):
+        server = state.server
+        opt_state = with_server_learning_rate(server.opt_state, lr)
+        return algorithm.round(state._replace(server=server._replace(opt_state=opt_state)),
+                               cohort, key)
+
+    return FederatedAlgorithm(algorithm.init, round_fn, algorithm.server_params)
+
+
+def require_injected_lr(state) -> None:
+    """Raise unless ``state`` (a ``RoundState``) holds its server learning rate."""
+    held = getattr(getattr(state, "server", None), "opt_state", None)
+    if held is None or server_learning_rate(held) is None:
+        raise ValueError(
+            "a learned server learning rate needs an algorithm whose state holds its "
+            "server optimizer's learning rate (built with "
+            "fedax.algorithms.server_optimizer, as the registry does).")
+
+
 def learned_server_lr_in_state(
     algorithm: FederatedAlgorithm,
     init_lr: float,
@@ -69,28 +92,14 @@ def learned_server_lr_in_state(
     hyper-optimizer: ``optax.adam(0.05)`` on log η.
     """
 
-    def with_lr(log_lr):
-        def round_fn(state, cohort, key):
-            server = state.server
-            opt_state = with_server_learning_rate(server.opt_state, jnp.exp(log_lr))
-            return algorithm.round(
-                state._replace(server=server._replace(opt_state=opt_state)), cohort, key)
-
-        return FederatedAlgorithm(algorithm.init, round_fn, algorithm.server_params)
-
     def init(params, key):
         state = inner.init(params, key)
-        held = getattr(getattr(state.inner, "server", None), "opt_state", None)
-        if held is None or server_learning_rate(held) is None:
-            raise ValueError(
-                "a learned server learning rate needs an algorithm whose state holds its "
-                "server optimizer's learning rate (built with "
-                "fedax.algorithms.server_optimizer, as the registry does).")
+        require_injected_lr(state.inner)
         return state
 
     inner = hypergradient_descent(
-        with_lr, jnp.log(jnp.float32(init_lr)), loss_fn, hyper_optimizer or optax.adam(0.05),
-        mode)
+        lambda log_lr: with_state_lr(algorithm, jnp.exp(log_lr)),
+        jnp.log(jnp.float32(init_lr)), loss_fn, hyper_optimizer or optax.adam(0.05), mode)
 
     def round_fn(state, cohort, key):
         new_state, metrics = inner.round(state, cohort, key)
