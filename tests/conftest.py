@@ -9,6 +9,16 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
 
+# One persistent XLA compilation cache for the whole suite, the fedax subprocesses it starts
+# included (they inherit the environment): many tests compile the same round program, and a
+# cached executable is the very program a fresh compile gives. FEDAX_TEST_JAX_CACHE=0 turns
+# it off; the cache directory is git-ignored.
+if os.environ.get("FEDAX_TEST_JAX_CACHE", "1") != "0":
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax-cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
