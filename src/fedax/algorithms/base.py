@@ -188,6 +188,12 @@ class RoundPieces(NamedTuple):
         DP-SGD's noise): in simulation the round key folded with a constant of its own,
         split per client (disjoint from the aggregator's keys); a real client uses its own
         secret key.
+      adversary: simulated misbehaving clients (``fedax.attacks``), not part of an
+        algorithm: ``adversary(updates, weights, client_ids, key) -> (updates, weights)``
+        on the client-placed messages, after the clients' updates and before the server
+        sees them (its finite check, its aggregator), written with the placement
+        primitives (an omniscient attack reads the honest clients' mean through them).
+        ``key`` is the round key folded with a constant of its own.
     """
 
     server_init: Callable[[Any], Any]
@@ -199,6 +205,10 @@ class RoundPieces(NamedTuple):
     client_state: Callable[[Any], Any] | None = None
     reweigh: Callable[[jax.Array, dict[str, jax.Array]], jax.Array] | None = None
     keyed: bool = False
+    adversary: Callable[..., tuple[Any, jax.Array]] | None = None
+
+
+_ADVERSARY_KEY = 0x61647672  # "advr": the stream of simulated attackers' random numbers
 
 
 _CLIENT_TRAINING_KEY = 0x636C6B65  # "clke": the stream of the clients' own training keys
@@ -290,6 +300,11 @@ def cohort_round(
             client_update, at_clients, client_states, cohort.batches, cohort.num_examples,
             *extra)
     weights = message.weight
+    if pieces.adversary is not None:
+        adversary_key = None if key is None else jax.random.fold_in(key, _ADVERSARY_KEY)
+        update, weights = pieces.adversary(message.update, weights, cohort.client_ids,
+                                           adversary_key)
+        message = message._replace(update=update, weight=weights)
     if pieces.reweigh is not None:
         weights = pieces.reweigh(weights, message.stats)
     accepted = accept_finite(

@@ -1,9 +1,12 @@
 """Communication cost of a federated program, read off its traced jaxpr.
 
-Every byte that crosses a placement goes through ``federated_broadcast`` (server -> clients)
-or ``federated_sum`` (clients -> server). A broadcast of a value of b bytes to n clients sends
-n·b bytes down; a sum of a client-placed value of shape (n, ...) uploads n·b bytes, b being
-one client's share. Loops multiply by their trip count; of two branches the dearer counts.
+Every byte that crosses a placement goes through ``federated_broadcast`` or
+``federated_distribute`` (server -> clients) or ``federated_sum`` or ``federated_collect``
+(clients -> server). A broadcast of a value of b bytes to n clients sends n·b bytes down; a
+sum (or a collect) of a client-placed value of shape (n, ...) uploads n·b bytes, b being one
+client's share; a distribute of ``[n, ...]`` sends each client its own row (n·b in all).
+``broadcasts`` counts the downward operations, ``aggregations`` the upward ones. Loops
+multiply by their trip count; of two branches the dearer counts.
 Because derivatives are written with the same primitives, ``comm_cost(jax.grad(f), ...)``
 prices the derivative program too.
 """
@@ -17,7 +20,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
-from fedax.federated._primitives import broadcast_p, sum_p
+from fedax.federated._primitives import broadcast_p, collect_p, distribute_p, sum_p
 
 
 class CommCost(NamedTuple):
@@ -69,8 +72,11 @@ def _jaxpr_cost(jaxpr) -> CommCost:
         if prim is broadcast_p:
             total += CommCost(_nbytes(eqn.outvars[0].aval), 0, 1, 0)
             continue
-        if prim is sum_p:
+        if prim is sum_p or prim is collect_p:
             total += CommCost(0, _nbytes(eqn.invars[0].aval), 0, 1)
+            continue
+        if prim is distribute_p:
+            total += CommCost(_nbytes(eqn.outvars[0].aval), 0, 1, 0)
             continue
         name = prim.name
         if name == "cond":

@@ -6,6 +6,10 @@ A *client-placed* value is a pytree whose leaves carry a leading clients axis of
 * ``broadcast``  server -> clients:  x  |->  [x, x, ..., x]       (shape ``(n, *x.shape)``)
 * ``sum``        clients -> server: [x_1..x_n]  |->  sum_i x_i
 
+and a second pair, for algorithms that need each client's message apart (a robust median,
+decoding compressed updates): ``collect`` (clients -> server, ``[x_1..x_n]`` kept stacked)
+and ``distribute`` (server -> clients, row i to client i), each the other's transpose.
+
 Both are linear, and each is the other's transpose (Rush, Charles, Garrett, "Federated
 Automatic Differentiation", JMLR 2024; DrJAX ``primitives.py``):
 
@@ -138,6 +142,53 @@ batching.primitive_batchers[sum_p] = _sum_batch
 
 
 # --------------------------------------------------------------------------------------
+# The pair that moves values one client at a time: collect (clients -> server, each
+# client's value kept apart) and distribute (server -> clients, row i to client i).
+# --------------------------------------------------------------------------------------
+
+collect_p = Primitive("federated_collect")
+distribute_p = Primitive("federated_distribute")
+
+
+def _identity_impl(x):
+    return jnp.asarray(x)
+
+
+def _placement_abstract_eval(x):
+    if x.ndim == 0:
+        raise TypeError("federated collect/distribute need a leading clients axis.")
+    return x.update(weak_type=False)
+
+
+def _collect_transpose(ct, x):
+    del x
+    return [distribute_p.bind(ct)]
+
+
+def _distribute_transpose(ct, x):
+    del x
+    return [collect_p.bind(ct)]
+
+
+def _placement_batch(prim):
+    def batch(args, dims):
+        (x,), (d,) = args, dims
+        # keep the clients axis leading; the batch axis goes second
+        x = jnp.moveaxis(x, d, 1)
+        return prim.bind(x), 1
+    return batch
+
+
+for _prim, _transpose in ((collect_p, _collect_transpose),
+                          (distribute_p, _distribute_transpose)):
+    _prim.def_impl(_identity_impl)
+    _prim.def_abstract_eval(_placement_abstract_eval)
+    mlir.register_lowering(_prim, mlir.lower_fun(_identity_impl, multiple_results=False))
+    ad.deflinear2(_prim, _transpose)
+    batching.primitive_batchers[_prim] = _placement_batch(_prim)
+
+
+# --------------------------------------------------------------------------------------
 # Sharding along the mesh axis 'clients', when there is one.
 # --------------------------------------------------------------------------------------
 
@@ -235,6 +286,45 @@ def sum(x: Any) -> Any:  # noqa: A001 - the federated sum; shadows the builtin i
         return sum_p.bind(a)
 
     return jax.tree.map(leaf_sum, x)
+
+
+def collect(x: Any) -> Any:
+    """Clients -> server, each client's value kept apart: the server receives the stacked
+    ``[n, ...]`` leaves (a robust median, a decoder of compressed messages need every
+    message, not their sum). The same bytes go up as for ``sum`` (n shares of one client's
+    size). Reverse-mode derivative: ``distribute`` (client i gets row i of the cotangent);
+    forward mode: ``collect`` of the tangent. Under a ``clients`` mesh the result is
+    replicated, as every server-placed value is.
+    """
+    _num_clients(x)
+    out = jax.tree.map(lambda a: collect_p.bind(jnp.asarray(a)), x)
+    return _replicate(out)
+
+
+def distribute(x: Any) -> Any:
+    """Server -> clients, row by row: client i receives row i of every leaf of the
+    server-placed ``[n, ...]`` value ``x`` (one client's share each, n shares in all).
+    Reverse-mode derivative: ``collect``; forward mode: ``distribute`` of the tangent."""
+    _num_clients(x)
+    out = jax.tree.map(lambda a: distribute_p.bind(jnp.asarray(a)), x)
+    return _constrain_clients(out)
+
+
+def _replicate(tree):
+    """Replicate every leaf over the 'clients' mesh axis, if there is one (a server value)."""
+    mesh = _clients_mesh()
+    if mesh is None:
+        return tree
+    spec = PartitionSpec()
+    if mesh._name_to_type[CLIENTS_AXIS] == jax.sharding.AxisType.Explicit:
+        return jax.tree.map(lambda a: jax.sharding.reshard(a, spec), tree)
+
+    def constrain(a):
+        if isinstance(a, jax.core.Tracer):
+            return jax.lax.with_sharding_constraint(a, spec)
+        return jax.device_put(a, jax.sharding.NamedSharding(jax.sharding.get_mesh(), spec))
+
+    return jax.tree.map(constrain, tree)
 
 
 def mean(x: Any) -> Any:

@@ -667,7 +667,8 @@ def _audit(jaxpr, in_derivative: bool, found: list[SumAudit]) -> None:
     for eqn in jaxpr.eqns:
         stack = str(eqn.source_info.name_stack)
         derivative = in_derivative or "transpose(" in stack
-        if eqn.primitive.name == "federated_sum":
+        # A collect uploads every client's value apart: never private under this audit.
+        if eqn.primitive.name in ("federated_sum", "federated_collect"):
             operand, result = eqn.invars[0], eqn.outvars[0]
             source = producer.get(operand) if isinstance(operand, jax.extend.core.Var) \
                 else None
@@ -686,7 +687,7 @@ def _audit(jaxpr, in_derivative: bool, found: list[SumAudit]) -> None:
 
 
 def audit_sums(jaxpr: Any) -> list[SumAudit]:
-    """Every ``federated_sum`` of ``jaxpr`` (a ``jax.make_jaxpr`` result), nested jaxprs
+    """Every ``federated_sum`` (and ``federated_collect``) of ``jaxpr`` (a ``jax.make_jaxpr`` result), nested jaxprs
     included, with whether it is in the derivative program and whether it is private (see
     the module docstring: dataflow from ``federated_dp_clip`` into ``federated_dp_noise``)."""
     found: list[SumAudit] = []
