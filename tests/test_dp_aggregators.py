@@ -418,6 +418,8 @@ def test_adaclip_noise_scale_and_state_update():
     rng = np.random.default_rng(7)
     dim, z, denominator = 40_000, 0.9, 4.0
     ada = agg.adaclip(z, denominator, initial_clip=0.5, beta1=0.6, beta2=0.7)
+    with pytest.warns(RuntimeWarning, match=r"d·z²/D = 8.1e\+03 > 1 .*clip_budget=S"):
+        ada.init(jnp.zeros(dim))  # 40,000 coordinates under z = 0.9, D = 4: the bad regime
     ref = NpAdaClip([dim], 0.5, z, denominator, 0.6, 0.7, 1e-12, 1e12)
     # a non-uniform state, so b differs per coordinate
     ref.m = (0.01 * rng.normal(size=dim))
@@ -447,6 +449,46 @@ def test_adaclip_noise_scale_and_state_update():
                jax.random.key(2))
     np.testing.assert_allclose(more[0], out, rtol=1e-5, atol=1e-8)
     assert int(more[2]["clipped_clients"]) == int(metrics["clipped_clients"])
+
+
+def test_adaclip_clip_budget_pins_the_scale_and_keeps_a_noised_run_bounded():
+    """b_i = S s_i^{1/4}/sqrt(mean √s) against NumPy; a flat s gives b = S (round one equals
+    dp_gaussian(S, z, D) under the same key); and in the regime d·z²/D ≫ 1 the paper's scale
+    grows geometrically over noised rounds while the pinned one stays at S."""
+    rng = np.random.default_rng(11)
+    s = {"a": np.abs(rng.normal(size=(3, 4))) + 1e-3, "b": np.abs(rng.normal(size=5)) + 1e-3}
+    got = flat(agg.adaclip_scale(jax.tree.map(jnp.asarray, s), 0.7))
+    all_s = np.concatenate([s["a"].ravel(), s["b"]])
+    np.testing.assert_allclose(got, 0.7 * all_s ** 0.25 / np.sqrt(np.mean(np.sqrt(all_s))),
+                               rtol=1e-5)
+    values = client_values(rng, 4, scale=0.2)
+    weights = jnp.asarray([1.0, 1.0, 1.0, 0.0])
+    pinned = agg.adaclip(1.0, 5.0, initial_clip=0.05, clip_budget=0.3)
+    state = pinned.init(jax.tree.map(lambda v: v[0], values))
+    np.testing.assert_allclose(flat(agg.adaclip_scale(state.variance, 0.3)), 0.3, rtol=1e-6)
+    key = jax.random.key(4)
+    got, _, _ = run(pinned, values, weights, state, key)
+    want, _, _ = run(agg.dp_gaussian(0.3, 1.0, 5.0), values, weights, (), key)
+    np.testing.assert_allclose(flat(got), flat(want), rtol=1e-4, atol=1e-6)
+
+    dim, clients = 2000, 10  # d·z²/D = 200
+    mu = 1e-3 * rng.normal(size=dim)
+    spread = 1e-3 * np.exp(rng.normal(size=dim))
+
+    def error_after(aggregator, rounds=25):
+        """‖aggregate − μ‖ of the last round."""
+        state = aggregator.init(jnp.zeros(dim))
+        step = jax.jit(lambda v, st, k: agg.aggregate(aggregator, v, jnp.ones(clients), st, k))
+        for t in range(rounds):
+            updates = jnp.asarray(mu + spread * rng.normal(size=(clients, dim)), jnp.float32)
+            out, state, _ = step(updates, state, jax.random.fold_in(key, t))
+        return float(np.linalg.norm(np.asarray(out) - mu))
+
+    flat_noise = 1.0 * 0.1 / clients * math.sqrt(dim)  # z·S/D·√d: flat clipping at S = 0.1
+    with pytest.warns(RuntimeWarning, match="clip scale will grow"):
+        paper = agg.adaclip(1.0, clients)  # b⁰ = 0.1 too
+        assert error_after(paper) > 100 * flat_noise  # the documented divergence
+    assert error_after(agg.adaclip(1.0, clients, clip_budget=0.1)) < 1.5 * flat_noise
 
 
 def test_adaclip_validates_its_arguments():

@@ -5,11 +5,14 @@ before the round that would exceed it."""
 import json
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
 from conftest import TINY_CONFIG
 
+from fedax import aggregators
 from fedax import data as fdata
 from fedax.experiments.config import ConfigError, validate_config
 from fedax.experiments.run import privacy_plan, run_experiment
@@ -54,12 +57,29 @@ def _config(**privacy):
     ({"mechanism": "adaptive", "noise_multiplier": 1, "per_layer": True},
      "privacy.per_layer", "gaussian"),
     ({"mechanism": "laplace", "noise_multiplier": 1}, "privacy.mechanism", "gaussian"),
+    ({"mechanism": "gaussian", "clip": 1.0, "noise_multiplier": 1, "pin_scale": True},
+     "privacy.pin_scale", "adaclip"),
 ])
 def test_invalid_privacy_configs_are_one_line(privacy, key, fragment):
     with pytest.raises(ConfigError) as info:
         validate_config(_config(**privacy))
     message = str(info.value)
     assert "\n" not in message and key in message and fragment in message, message
+
+
+def test_pin_scale_builds_adaclip_with_its_budget_at_the_clip():
+    """The pinned AdaCliP's first round is flat clipping at ``clip`` (dp_gaussian's)."""
+    config = validate_config(_config(mechanism="adaclip", clip=0.3, noise_multiplier=1.0,
+                                     pin_scale=True))
+    plan = privacy_plan(config, 30)
+    rng = np.random.default_rng(0)
+    values = jnp.asarray(rng.normal(size=(4, 50)), jnp.float32)
+    weights, key = jnp.ones(4), jax.random.key(1)
+    got, _, _ = aggregators.aggregate(plan.aggregator, values, weights,
+                                      plan.aggregator.init(values[0]), key)
+    flat = aggregators.dp_gaussian(0.3, 1.0, plan.expected_clients)
+    want, _, _ = aggregators.aggregate(flat, values, weights, (), key)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
 def test_delta_at_least_one_over_n_warns():

@@ -247,7 +247,9 @@ class PrivacyConfig(_Section):
     ``mechanism``: ``gaussian`` (a fixed clip ``clip``, flat or ``per_layer``), ``adaptive``
     (Andrew et al.'s quantile-tracking clip from ``clip``, default 0.1, towards
     ``target_quantile`` at ``clip_learning_rate``, the count noised with ``count_stddev``,
-    default m/20) or ``adaclip`` (coordinate-wise, from ``clip``). ``noise_multiplier`` z,
+    default m/20) or ``adaclip`` (coordinate-wise, from ``clip``; ``pin_scale: true`` pins
+    its scale at ``clip`` so that only the allocation over coordinates adapts, the stable
+    choice when d·z²/m > 1). ``noise_multiplier`` z,
     or ``target_epsilon`` alone (then z is the smallest that keeps ``rounds`` rounds within
     it); with both, the run stops before the round that would exceed the budget.
     ``sampling``: ``fixed`` (the cohort of ``client_fraction``·N clients, as without DP;
@@ -262,6 +264,7 @@ class PrivacyConfig(_Section):
     delta: Number = Field(1e-5, gt=0, lt=1)
     clip: Number | None = Field(None, gt=0, allow_inf_nan=False)
     per_layer: bool = False
+    pin_scale: bool = False
     target_quantile: Number = Field(0.5, ge=0, le=1)
     clip_learning_rate: Number = Field(0.2, ge=0, allow_inf_nan=False)
     count_stddev: Number | None = Field(None, ge=0, allow_inf_nan=False)
@@ -295,6 +298,9 @@ class PrivacyConfig(_Section):
             raise _KeyedError("privacy.clip", "mechanism 'gaussian' needs clip (S > 0)")
         if self.per_layer and self.mechanism != "gaussian":
             raise _KeyedError("privacy.per_layer", "applies to mechanism 'gaussian' only")
+        if self.pin_scale and (self.mechanism != "adaclip" or self.clip is None):
+            raise _KeyedError("privacy.pin_scale", "applies to mechanism 'adaclip' with a "
+                                                   "clip (the pinned scale)")
         if self.mechanism != "adaptive":
             for key in ("count_stddev",):
                 if getattr(self, key) is not None:

@@ -162,7 +162,8 @@ def privacy_plan(config: Config, num_clients: int,
             z, m, initial_clip=p.clip or 0.1, target_quantile=p.target_quantile,
             learning_rate=p.clip_learning_rate, clipped_count_stddev=p.count_stddev)
     else:
-        aggregator = aggregators.adaclip(z, m, initial_clip=p.clip or 0.1)
+        aggregator = aggregators.adaclip(z, m, initial_clip=p.clip or 0.1,
+                                         clip_budget=p.clip if p.pin_scale else None)
     return PrivacyPlan(aggregator, float(z), q, m, ledger, rounds)
 
 

@@ -687,9 +687,10 @@ def _audit(jaxpr, in_derivative: bool, found: list[SumAudit]) -> None:
 
 
 def audit_sums(jaxpr: Any) -> list[SumAudit]:
-    """Every ``federated_sum`` (and ``federated_collect``) of ``jaxpr`` (a ``jax.make_jaxpr`` result), nested jaxprs
-    included, with whether it is in the derivative program and whether it is private (see
-    the module docstring: dataflow from ``federated_dp_clip`` into ``federated_dp_noise``)."""
+    """Every ``federated_sum`` (and ``federated_collect``) of ``jaxpr`` (a
+    ``jax.make_jaxpr`` result), nested jaxprs included, with whether it is in the derivative
+    program and whether it is private (see the module docstring: dataflow from
+    ``federated_dp_clip`` into ``federated_dp_noise``)."""
     found: list[SumAudit] = []
     _audit(getattr(jaxpr, "jaxpr", jaxpr), False, found)
     return found
