@@ -106,6 +106,10 @@ def test_epsilon_in_every_record_and_the_budget_stops_the_run(tmp_path):
     privacy = summary["privacy"]
     assert privacy["stopped_by_budget"] and privacy["epsilon"] <= 12.0
     assert privacy["rounds_within_budget"] == allowed and "fixed-size" in privacy["accounting"]
+    # what epsilon covers is said, and the unnoised columns recorded beside it are named
+    assert "add-or-remove-one client" in privacy["epsilon_covers"]
+    assert all(name in privacy["not_covered"] for name in ("train_loss", "clipped_clients")
+               if name in records[0])
     # The same seed gives the same noise: the same numbers again.
     run_experiment(config, tmp_path / "b", progress=False)
     again = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").open()]
