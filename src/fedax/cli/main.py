@@ -195,11 +195,98 @@ def _inside(path: Path, directory: Path) -> bool:
 # ------------------------------------------------------------------------------ commands
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _check_processes(args) -> None:
+    given = [args.process_id is not None, args.coordinator is not None]
+    if any(given) and not all(given):
+        raise CommandError("--process-id and --coordinator go together (one process of a "
+                           "multi-process run); for N processes on this machine give "
+                           "--num-processes N alone", 2)
+    if any(given) and args.num_processes is None:
+        raise CommandError("--process-id needs --num-processes N (how many processes join)", 2)
+    if args.process_id is not None and not 0 <= args.process_id < args.num_processes:
+        raise CommandError(f"--process-id must be in 0..{args.num_processes - 1}, got "
+                           f"{args.process_id}", 2)
+
+
+def launch_processes(args) -> int:
+    """``fedax run CONFIG --num-processes N``: N processes of this run on this machine, one
+    coordinator on loopback. Process 0 writes the run to ``--out``; process i > 0 writes its
+    identical copy (its own checkpoints, for ``--resume``) to ``OUT/processes/<i>/`` and its
+    messages to ``OUT/processes/<i>.log``."""
+    import subprocess
+
+    from fedax.experiments.config import load_config
+
+    load_config(resolve_config(args.config), args.set)  # a bad config: one line, no launch
+    out, _ = claim_out(args, Path(args.config).stem)
+    out.mkdir(parents=True, exist_ok=True)
+    n, per = args.num_processes, args.devices or 1
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = {k: v for k, v in os.environ.items() if k != "FEDAX_DEVICES"}
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={per}"])
+    common = [sys.executable, "-m", "fedax.cli.main", "run", args.config,
+              *[f"--set={kv}" for kv in args.set],
+              f"--set=execution.devices={n * per}", "--num-processes", str(n),
+              "--coordinator", coordinator, *(["--resume"] * args.resume),
+              *(["--overwrite"] * args.overwrite), *(["--debug"] * args.debug)]
+    (out / "processes").mkdir(exist_ok=True)
+    procs, logs = [], []
+    for i in range(n):
+        where = out if i == 0 else out / "processes" / str(i)
+        cmd = [*common, "--process-id", str(i), "--out", str(where)]
+        if i == 0:
+            procs.append(subprocess.Popen(cmd + ["--no-progress"] * args.no_progress,
+                                          env=env))
+            continue
+        logs.append(out / "processes" / f"{i}.log")
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen(cmd + ["--no-progress"], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=log))
+    status = 0
+    try:
+        for i, proc in enumerate(procs):
+            code = proc.wait()
+            if code and not status:
+                status = code
+                for other in procs:
+                    if other.poll() is None:
+                        other.terminate()
+                if i > 0:
+                    lines = logs[i - 1].read_text().strip().splitlines()
+                    last = lines[-1] if lines else f"exit status {code}"
+                    print(f"fedax: process {i}: {last} (log: {logs[i - 1]})", file=sys.stderr)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return status
+
+
 def cmd_run(args) -> int:
     from fedax.experiments.config import load_config
     from fedax.experiments.run import dumps, run_experiment, strict_json
     from fedax.simulation.checkpoint import CheckpointError
 
+    _check_processes(args)
+    if args.num_processes and args.num_processes > 1 and args.process_id is None:
+        return launch_processes(args)
+    if args.process_id is not None and args.num_processes > 1:
+        from fedax.simulation import distributed
+
+        try:
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        except ValueError as err:
+            raise CommandError(str(err), 2) from err
     config = load_config(resolve_config(args.config), args.set)
     name = Path(args.config).stem
     out, created = claim_out(args, name)
@@ -503,6 +590,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace the run in --out (its outputs go at the new run's first "
                             "evaluation)")
     run.add_argument("--devices", type=_positive_int, metavar="N", help=devices_help)
+    run.add_argument(
+        "--num-processes", type=_positive_int, metavar="N",
+        help="spread the run over N processes with JAX's distributed runtime (each with "
+             "--devices devices, default 1; the cohort is split over every device of every "
+             "process). Alone: starts N processes on this machine. With --process-id and "
+             "--coordinator: this process is one of N (one command per host of a cluster)")
+    run.add_argument("--process-id", type=int, metavar="I",
+                     help="this process's index, 0..N-1 (0 is the primary, whose --out holds "
+                          "the run)")
+    run.add_argument("--coordinator", metavar="HOST:PORT",
+                     help="process 0's address, the same for every process")
     run.set_defaults(func=cmd_run)
 
     demo = sub.add_parser("demo", help="FedAvg vs FedSGD, 2NN, non-IID MNIST (Table 1)",

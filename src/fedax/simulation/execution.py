@@ -123,7 +123,9 @@ def choose_execution(
       their better scaling gains (W: 0.513 s a round against 0.493 s in one run).
 
     ``devices="auto"`` is ``$FEDAX_DEVICES`` when set (the ``--devices N`` flag of the
-    ``fedax`` command sets it), else every device (``processes``: every core).
+    ``fedax`` command sets it), else every device (``processes``: every core). Over several
+    processes (``fedax.simulation.distributed``) "every device" is every device of every
+    process, and the CPU default is ``sequential``.
     """
     backend = backend or jax.default_backend()
     if devices == "auto":
@@ -133,6 +135,8 @@ def choose_execution(
     cores = len(usable_cores())
     if backend != "cpu":
         default_map = "vmap"
+    elif jax.process_count() > 1:
+        default_map = "sequential"  # worker processes do not combine with a global mesh
     elif cores > 1 and _has_convolutions(params) and devices != 1:
         default_map = "processes"
     else:

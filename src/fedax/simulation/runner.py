@@ -32,6 +32,7 @@ from fedax import federated as fed
 from fedax.algorithms import FederatedAlgorithm, cohort_round, init_state
 from fedax.data import ClientData
 from fedax.simulation import checkpoint as ckpt
+from fedax.simulation import distributed
 from fedax.simulation.client_state import ClientStateStore
 from fedax.simulation.execution import Execution, choose_execution, use_execution
 from fedax.simulation.host import compiler_options
@@ -182,6 +183,18 @@ def round_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
         if value.ndim == 0 and np.issubdtype(value.dtype, np.floating):
             out[name] = float(value)
     return out
+
+
+def _on_every_device(tree: Any, mesh) -> Any:
+    """Under a mesh, ``tree`` replicated on every device of it: the metrics, which every
+    process of a multi-process run reads (a value on one device is not addressable from
+    the others)."""
+    if mesh is None:
+        return tree
+    spec = jax.sharding.PartitionSpec()
+    if all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+        return jax.tree.map(lambda a: jax.sharding.reshard(a, spec), tree)
+    return jax.lax.with_sharding_constraint(tree, jax.sharding.NamedSharding(mesh, spec))
 
 
 def _maybe_mesh(mesh):
@@ -364,6 +377,7 @@ def run(
             stop_at_target=stop_at_target)
 
     mesh = execution.mesh()
+    distributed.check_mesh(mesh)
     pad_to = execution.devices if mesh is not None else 1
     # Where server-side values live (the state, the training set): the first device, or
     # replicated over the mesh; under a mesh, cohort arrays are split over its clients axis.
@@ -382,7 +396,7 @@ def run(
         state, metrics = algorithm.round(state, cohort, key)
         metrics = dict(metrics)
         metrics["server_finite"] = _all_finite(algorithm.server_params(state))
-        return state, metrics
+        return state, _on_every_device(metrics, mesh)
 
     def device_cohort_round(state, placed, sharded, plain, client_states, key):
         cohort = source.cohort(placed, sharded, plain, block_spec)
@@ -390,7 +404,7 @@ def run(
                                                               client_states)
         metrics = dict(metrics)
         metrics["server_finite"] = _all_finite(algorithm.server_params(state))
-        return state, metrics, client_states, written
+        return state, _on_every_device(metrics, mesh), client_states, written
 
     def reached(record: dict[str, Any]) -> bool:
         return (stop_at_target and target_accuracy is not None
