@@ -221,7 +221,12 @@ def _constrain_clients(tree):
     if mesh is None:
         return tree
     _check_divisible(_num_clients(tree), mesh)
-    spec = PartitionSpec(CLIENTS_AXIS)
+    return _place(tree, mesh, PartitionSpec(CLIENTS_AXIS))
+
+
+def _place(tree, mesh, spec: PartitionSpec):
+    """Every leaf of ``tree`` laid out as ``spec`` on ``mesh``: resharded under an
+    ``Explicit`` clients axis, else a sharding constraint (a ``device_put`` outside jit)."""
     if mesh._name_to_type[CLIENTS_AXIS] == jax.sharding.AxisType.Explicit:
         return jax.tree.map(lambda a: jax.sharding.reshard(a, spec), tree)
 
@@ -313,18 +318,7 @@ def distribute(x: Any) -> Any:
 def _replicate(tree):
     """Replicate every leaf over the 'clients' mesh axis, if there is one (a server value)."""
     mesh = _clients_mesh()
-    if mesh is None:
-        return tree
-    spec = PartitionSpec()
-    if mesh._name_to_type[CLIENTS_AXIS] == jax.sharding.AxisType.Explicit:
-        return jax.tree.map(lambda a: jax.sharding.reshard(a, spec), tree)
-
-    def constrain(a):
-        if isinstance(a, jax.core.Tracer):
-            return jax.lax.with_sharding_constraint(a, spec)
-        return jax.device_put(a, jax.sharding.NamedSharding(jax.sharding.get_mesh(), spec))
-
-    return jax.tree.map(constrain, tree)
+    return tree if mesh is None else _place(tree, mesh, PartitionSpec())
 
 
 def mean(x: Any) -> Any:
