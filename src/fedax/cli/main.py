@@ -1,5 +1,6 @@
-"""The ``fedax`` command: ``run``, ``demo``, ``reproduce``, ``data fetch`` and
-``privacy epsilon`` / ``privacy noise`` (DP accounting with dp-accounting).
+"""The ``fedax`` command: ``run``, ``demo``, ``reproduce``, ``data fetch``,
+``privacy epsilon`` / ``privacy noise`` (DP accounting with dp-accounting) and the networked
+runtime's ``server init|start|status`` and ``client`` (``fedax.cli.runtime``).
 
 Results are never lost: ``run`` writes into a new directory by default
 (``runs/<config>-<YYYYmmdd-HHMMSS>``) and refuses a directory that already holds a run
@@ -670,6 +671,9 @@ def build_parser() -> argparse.ArgumentParser:
     noise.add_argument("--epsilon", type=float, required=True,
                        help="the target epsilon after T rounds")
     noise.set_defaults(func=cmd_privacy_noise)
+    from fedax.cli.runtime import add_commands as add_runtime_commands
+
+    add_runtime_commands(sub, common)  # fedax server init|start|status, fedax client
     return parser
 
 

@@ -43,15 +43,7 @@ from fedax.experiments.config import (
     validate_config,
 )
 from fedax.models import get_model, softmax_cross_entropy
-from fedax.simulation import (
-    Execution,
-    History,
-    choose_execution,
-    make_evaluator,
-    rounds_to_target,
-    run,
-)
-from fedax.simulation.evaluation import client_index, make_client_evaluator
+from fedax.simulation import Execution, History, choose_execution, make_evaluator, run
 from fedax.simulation.sources import HoldoutSource, PartitionSource
 
 # A directory holding any of these holds a run (``checkpoints`` is a directory).
@@ -178,11 +170,7 @@ def privacy_plan(config: Config, num_clients: int,
                 f"config key 'privacy.target_epsilon': one round at noise_multiplier {z:g} "
                 f"already spends epsilon {ledger.epsilon_after(1):.3g} > "
                 f"{p.target_epsilon:g}; raise the noise or the budget")
-    if p.mechanism == "gaussian" and config.compression is not None:
-        # Decode, clip each decoded message to S again, sum, noise (keeps the sensitivity).
-        aggregator = aggregators.dp_compressed(compressor(config), p.clip, z, m,
-                                               per_layer=p.per_layer)
-    elif p.mechanism == "gaussian":
+    if p.mechanism == "gaussian":
         aggregator = aggregators.dp_gaussian(p.clip, z, m, per_layer=p.per_layer)
     elif p.mechanism == "adaptive":
         aggregator = aggregators.dp_adaptive_gaussian(
@@ -192,19 +180,6 @@ def privacy_plan(config: Config, num_clients: int,
         aggregator = aggregators.adaclip(z, m, initial_clip=p.clip or 0.1,
                                          clip_budget=p.clip if p.pin_scale else None)
     return PrivacyPlan(aggregator, float(z), q, m, ledger, rounds)
-
-
-def compressor(config: Config) -> Any:
-    """The ``compression:`` section's compressor (None without one); ``rotation`` is seeded
-    with the run's seed."""
-    c = config.compression
-    if c is None:
-        return None
-    from fedax.aggregators import make_compressor
-
-    return make_compressor(c.scheme, levels=c.levels, bits=c.bits, fraction=c.fraction,
-                           bucket_size=c.bucket_size, block_size=c.block_size,
-                           seed=config.seed)
 
 
 def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
@@ -229,25 +204,12 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
                if k in Config.model_fields}
     server = resolved_server_optimizer(config)
     hyperparameters = dict(server.hyperparameters)
-    code = compressor(config)
-    if code is not None and aggregator is None:  # (a DP plan's aggregator compresses itself)
-        from fedax.aggregators import compressed
-
-        aggregator = compressed(code)
-    elif code is not None and (config.privacy is None or config.privacy.level != "user"):
-        raise ConfigError("config key 'compression': cannot compress under the given "
-                          "aggregator (compression builds its own; with DP, privacy.mechanism "
-                          "gaussian); drop one of the two")
     algorithm = make_algorithm(config.algorithm, loss_fn,
                                num_clients=num_clients or config.num_clients,
                                client_lr=config.client_lr, server_optimizer=server.name,
                                server_lr=hyperparameters.pop("lr"), **hyperparameters,
                                aggregator=aggregator, example_privacy=example_privacy,
                                **options)
-    if code is not None and config.compression.error_feedback:
-        from fedax.algorithms.error_feedback import error_feedback
-
-        algorithm = error_feedback(algorithm, code, num_clients or config.num_clients)
     if config.server.lr != "learned":
         return algorithm
     # η lives in the server optimizer's state; it is learned on holdout clients' loss.
@@ -337,69 +299,6 @@ def accuracy_figure(curves: dict[str, History], target: float | None = None,
     ax.legend()
     fig.tight_layout()
     return fig
-
-
-def client_distribution_figure(records: list[dict[str, Any]], target: float | None = None,
-                               title: str | None = None):
-    """The clients' test accuracy over rounds (``per_client_eval`` records): the median,
-    the 25-75 and 10-90 percentile bands, the mean of the worst 10% of clients, and the
-    global accuracy; every evaluation is a point, rounds are integers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    rows = [r for r in records if all(isinstance(r.get(f"client_accuracy_{k}"), (int, float))
-                                      for k in ("p10", "p25", "p50", "p75", "p90", "worst10"))]
-    rounds = [r["round"] for r in rows]
-
-    def column(key):
-        return [r.get(key) if isinstance(r.get(key), (int, float)) else math.nan for r in rows]
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.fill_between(rounds, column("client_accuracy_p10"), column("client_accuracy_p90"),
-                    alpha=0.15, color="C0", label="clients, 10th-90th percentile")
-    ax.fill_between(rounds, column("client_accuracy_p25"), column("client_accuracy_p75"),
-                    alpha=0.3, color="C0", label="clients, 25th-75th percentile")
-    marker = "." if len(rows) < 30 else None
-    ax.plot(rounds, column("client_accuracy_p50"), color="C0", marker=marker,
-            label="median client")
-    ax.plot(rounds, column("client_accuracy_worst10"), color="C3", marker=marker,
-            label="worst 10% of clients (mean)")
-    ax.plot(rounds, column("test_accuracy"), color="k", linestyle="--", linewidth=1,
-            label="global test accuracy")
-    if target is not None:
-        ax.axhline(target, color="gray", linestyle=":", linewidth=0.8, label=f"target {target}")
-    ax.set_xlabel("communication rounds")
-    ax.set_ylabel("test accuracy on the client's own data")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylim(max(0.0, min(column("client_accuracy_p10") + [1.0]) - 0.05), 1.0)
-    ax.set_title(title or "per-client test accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    return fig
-
-
-def plot_client_distribution(records: list[dict[str, Any]], path: Path,
-                             target: float | None = None, title: str | None = None) -> None:
-    """Writes ``client_distribution_figure(records, target, title)`` as a PNG, atomically."""
-    save_figure(client_distribution_figure(records, target, title), path)
-
-
-def save_figure(fig, path: Path) -> None:
-    """Writes a matplotlib figure as a PNG (120 dpi), atomically, and closes it."""
-    import io
-
-    import matplotlib.pyplot as plt
-
-    buffer = io.BytesIO()
-    try:
-        fig.savefig(buffer, format="png", dpi=120)
-    finally:
-        plt.close(fig)
-    write_atomic(path, buffer.getvalue())
 
 
 def plot_curves(curves: dict[str, History], path: Path, target: float | None = None,
@@ -512,8 +411,6 @@ class FederatedData(NamedTuple):
     x_test: np.ndarray
     y_test: np.ndarray
     model_kwargs: dict[str, Any]
-    # [N_test] int: the client of each test example (-1: none), with per_client_eval
-    test_clients: np.ndarray | None = None
 
 
 def _linear_kwargs(config: Config, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
@@ -528,12 +425,8 @@ def _image_data(config: Config) -> FederatedData:
     train = fdata.ClientData.from_partition(
         arrays["x_train"], arrays["y_train"], partition(config, arrays["y_train"])
     )
-    # Each client's test data: the test set dealt by the same partitioner (same seed).
-    test_clients = None if not config.per_client_eval else client_index(
-        partition(config, arrays["y_test"]), len(arrays["y_test"]))
     return FederatedData(train, arrays["x_test"], arrays["y_test"],
-                         _linear_kwargs(config, arrays["x_train"], arrays["y_train"]),
-                         test_clients)
+                         _linear_kwargs(config, arrays["x_train"], arrays["y_train"]))
 
 
 def _synthetic_data(config: Config) -> FederatedData:
@@ -542,11 +435,7 @@ def _synthetic_data(config: Config) -> FederatedData:
     options = config.synthetic
     train, test = fdata.synthetic(options.alpha, options.beta, config.num_clients,
                                   seed=config.seed, iid=options.iid)
-    test_clients = None if not config.per_client_eval else client_index(
-        [test.indices[a:b] for a, b in zip(test.offsets[:-1], test.offsets[1:], strict=True)],
-        len(test.y))
-    return FederatedData(train, test.x, test.y, _linear_kwargs(config, train.x, train.y),
-                         test_clients)
+    return FederatedData(train, test.x, test.y, _linear_kwargs(config, train.x, train.y))
 
 
 # The parsed data of the last options used (a reproduction runs many cells on the same data).
@@ -562,11 +451,8 @@ def _shakespeare_data(config: Config) -> FederatedData:
         max_clients=options.max_clients, sample=options.sample, seed=config.seed)
     train = fdata.ClientData.from_partition(arrays["x_train"], arrays["y_train"],
                                             arrays["train_partition"])
-    # Each role's own test lines (with partition: iid too: the roles' lines are theirs).
-    test_clients = None if not config.per_client_eval else client_index(
-        arrays["test_partition"], len(arrays["y_test"]))
     return FederatedData(train, arrays["x_test"], arrays["y_test"],
-                         {"vocab_size": int(arrays["vocab_size"])}, test_clients)
+                         {"vocab_size": int(arrays["vocab_size"])})
 
 
 # config.dataset -> builder. A data set whose labels are [N, T] (sequences) is trained and
@@ -590,8 +476,7 @@ def build_data(config: Config) -> FederatedData:
 # those checkpoints still resume.
 _LATER_KEYS = {"synthetic": SyntheticConfig().model_dump(mode="json"),
                "shakespeare": ShakespeareConfig().model_dump(mode="json"),
-               "stragglers": 0.0, "drop_stragglers": False, "max_rejected_fraction": 0.5,
-               "per_client_eval": False}
+               "stragglers": 0.0, "drop_stragglers": False, "max_rejected_fraction": 0.5}
 
 
 def _fingerprint(config: Config) -> dict[str, Any]:
@@ -607,11 +492,8 @@ def run_experiment(
     label: str | None = None,
     resume: bool = False,
     title: str | None = None,
-    tensorboard: bool = True,
 ) -> dict[str, Any]:
-    """Run ``config`` and write ``metrics.jsonl``, ``summary.json`` and ``accuracy.png``
-    (with ``per_client_eval``, also ``client_accuracy.png``), and with ``tensorboard`` the
-    TensorBoard event files of every record into ``tensorboard/``.
+    """Run ``config`` and write ``metrics.jsonl``, ``summary.json`` and ``accuracy.png``.
 
     With ``resume``, continue from the newest valid checkpoint in ``out_dir/checkpoints``
     (the config must be the same, ``checkpoint_every`` aside; else ``CheckpointError``, and
@@ -634,19 +516,14 @@ def run_experiment(
                                 num_clients=train.num_clients,
                                 aggregator=None if plan is None else plan.aggregator,
                                 example_privacy=None if plan is None else plan.example_privacy)
-    if data.test_clients is not None:
-        evaluate = make_client_evaluator(model.apply, data.x_test, data.y_test,
-                                         data.test_clients, target=config.target_accuracy,
-                                         num_clients=train.num_clients)
-    else:
-        evaluate = make_evaluator(model.apply, data.x_test, data.y_test)
+    evaluate = make_evaluator(model.apply, data.x_test, data.y_test)
     execution: Execution = choose_execution(
         config.execution.strategy, config.execution.local_steps, config.execution.devices,
         params=params,
     )
 
     def replace_earlier_outputs() -> None:
-        for name in ("summary.json", "accuracy.png", "client_accuracy.png"):
+        for name in ("summary.json", "accuracy.png"):
             (out / name).unlink(missing_ok=True)
         if not config.checkpoint_every:  # else the runner has already replaced them
             from fedax.simulation.checkpoint import remove_checkpoints
@@ -654,14 +531,6 @@ def run_experiment(
             remove_checkpoints(out / "checkpoints")
 
     writer = JsonlWriter(out / "metrics.jsonl", on_start=replace_earlier_outputs)
-    callbacks: list[Any] = [writer]
-    round_callbacks: list[Any] = []
-    if tensorboard:  # after the writer: its on_start replaces earlier outputs first
-        from fedax.simulation.tensorboard import TensorBoardLogger
-
-        board = TensorBoardLogger(out / "tensorboard")
-        callbacks.append(board)
-        round_callbacks.append(board.on_round)
     label = label or config.algorithm
     title = title or label or out.name
     started = time.perf_counter()
@@ -685,8 +554,7 @@ def run_experiment(
             target_accuracy=config.target_accuracy,
             stop_at_target=config.stop_at_target,
             execution=execution,
-            callbacks=callbacks,
-            round_callbacks=round_callbacks,
+            callbacks=[writer],
             progress=progress,
             checkpoint_dir=out / "checkpoints",
             checkpoint_every=config.checkpoint_every,
@@ -706,9 +574,6 @@ def run_experiment(
                        error=str(err))
         write_outputs(out, summary, writer.records, label, title)
         raise
-    finally:
-        for callback in callbacks:
-            getattr(callback, "close", lambda: None)()
     summary = summarize(config, history.records, time.perf_counter() - started, execution,
                         resumed_from=history.resumed_from, plan=plan)
     write_outputs(out, summary, history.records, label, title)
@@ -724,16 +589,6 @@ def summarize(config: Config, records: list[dict[str, Any]], wall: float, execut
     accs = history.column("test_accuracy")
     target = config.target_accuracy
     reached = history.rounds_to_target(target) if target is not None and accs else None
-    per_client = {}
-    worst = [r for r in history.records if isinstance(r.get("client_accuracy_worst10"), float)]
-    if worst:  # per_client_eval: the target read on the worst decile's curve too
-        worst_reached = None if target is None else rounds_to_target(
-            [r["round"] for r in worst], [r["client_accuracy_worst10"] for r in worst], target)
-        per_client = {
-            "final_client_accuracy": {k: v for k, v in worst[-1].items()
-                                      if k.startswith("client_accuracy")},
-            "rounds_to_target_worst10": None if worst_reached is None
-                                        else round(worst_reached, 1)}
     return {
         "config": config_to_dict(config),
         "seed": config.seed,
@@ -755,7 +610,6 @@ def summarize(config: Config, records: list[dict[str, Any]], wall: float, execut
         # ε spent by the rounds run, z, q, the accountant and sampling it assumes
         "privacy": None if plan is None else plan.summary(
             config, records[-1]["round"] if records else 0),
-        **per_client,
     }
 
 
@@ -777,9 +631,6 @@ def write_outputs(out: Path, summary: dict[str, Any], records: list[dict[str, An
     if records:
         plot_curves({label: History(list(records))}, out / "accuracy.png",
                     summary["target_accuracy"], title=title)
-    if any("client_accuracy_p10" in r for r in records):
-        plot_client_distribution(records, out / "client_accuracy.png",
-                                 summary["target_accuracy"], title=f"{title}: per client")
 
 
 def fmt_rounds(value: float | None) -> str:

@@ -1,0 +1,251 @@
+"""``fedax server init|start|status`` and ``fedax client``: the networked runtime's commands
+(docs/deployment.md). JAX and grpc load only when a command runs, so ``fedax --version``
+stays light."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import sys
+from pathlib import Path
+
+from fedax.experiments.errors import ConfigError
+
+
+def _one_line(command):
+    """A bad setting, a refused token or an unreachable server ends the command with one
+    line naming the fix (``fedax: error: ...``, status 2), not a traceback."""
+
+    @functools.wraps(command)
+    def wrapped(args) -> int:
+        try:
+            return command(args)
+        except (ValueError, PermissionError, ConnectionError) as err:
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError(str(err)) from err
+
+    return wrapped
+
+
+def _logging(name: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"fedax {name}: %(asctime)s %(message)s",
+                                           "%H:%M:%S"))
+    root = logging.getLogger("fedax.runtime")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+
+
+def _data_file(path: str | Path):
+    import numpy as np
+
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return data["x"], data["y"]
+    except (OSError, KeyError, ValueError) as err:
+        raise ValueError(f"cannot read client data {str(path)!r} ({err}); expected an .npz "
+                         "with arrays x and y (fedax server init writes examples)") from None
+
+
+@_one_line
+def cmd_server_init(args) -> int:
+    """A CA, server certificate, tokens, registry, task.json and per-client data files."""
+    import numpy as np
+
+    from fedax.runtime import Task, make_dev_pki
+
+    out = Path(args.dir)
+    if (out / "registry.json").exists() and not args.overwrite:
+        raise ValueError(f"{out} already holds a setup; pass --overwrite to replace it")
+    hosts = [h for h in args.hosts.split(",") if h]
+    pki = make_dev_pki(out, args.clients, hosts)
+    if args.dataset == "synthetic":
+        from fedax.data import synthetic
+
+        train, test = synthetic(1.0, 1.0, num_clients=args.clients, dim=60, num_classes=10,
+                                seed=args.seed)
+        parts = [(train.x[train.client_indices(k)], train.y[train.client_indices(k)])
+                 for k in range(args.clients)]
+        x_test, y_test = test.x, test.y
+        task = Task(args.algorithm or "fedavg", "logistic", args.clients, client_lr=0.05,
+                    local_epochs=1, batch_size=10, seed=args.seed, input_shape=[60],
+                    model_options={"input_dim": 60, "num_classes": 10})
+    else:
+        from fedax.data import iid, load_mnist
+
+        data = load_mnist()
+        split = iid(len(data["y_train"]), args.clients, args.seed)
+        parts = [(data["x_train"][p], data["y_train"][p]) for p in split]
+        x_test, y_test = data["x_test"], data["y_test"]
+        task = Task(args.algorithm or "fedavg", "2nn", args.clients, client_lr=0.05,
+                    local_epochs=1, batch_size=10, seed=args.seed, input_shape=[28, 28, 1])
+    (out / "data").mkdir(exist_ok=True)
+    for k, (x, y) in enumerate(parts):
+        np.savez(out / "data" / f"client_{k}.npz", x=x.astype(np.float32), y=y.astype(np.int32))
+    np.savez(out / "data" / "test.npz", x=x_test.astype(np.float32), y=y_test.astype(np.int32))
+    (out / "task.json").write_text(json.dumps(json.loads(task.to_json()), indent=1) + "\n")
+    print(f"wrote {pki['ca']}, server.pem/.key, registry.json, tokens/0..{args.clients - 1}"
+          f".token, task.json and data/client_*.npz, data/test.npz in {out}")
+    return 0
+
+
+def _server_config(args):
+    from fedax.runtime import ServerConfig
+
+    return ServerConfig(
+        rounds=args.rounds, cohort_size=args.cohort_size, over_selection=args.over_selection,
+        min_reports=args.min_reports, min_clients=args.min_clients, deadline_s=args.deadline_s,
+        max_attempts=args.max_attempts, poll_interval_s=args.poll_interval_s,
+        liveness_s=args.liveness_s, max_message_bytes=int(args.max_message_mb * (1 << 20)),
+        chunk_bytes=int(args.chunk_kb * 1024), checkpoint_dir=args.checkpoint_dir)
+
+
+@_one_line
+def cmd_server_start(args) -> int:
+    import time
+
+    from fedax.runtime import Registry, Server, ServerTLS, Task
+
+    _logging("server")
+    try:
+        task = Task.from_json(Path(args.task).read_text())
+    except OSError as err:
+        raise ValueError(f"cannot read the task {args.task!r} ({err.strerror}); pass the "
+                         "task.json fedax server init wrote") from None
+    evaluate = None
+    if args.test_data:
+        x, y = _data_file(args.test_data)
+        evaluate = _evaluator(task, x, y)
+    server = Server(task, _server_config(args), ServerTLS(args.cert, args.key),
+                    Registry.load(args.registry), address=f"{args.host}:{args.port}",
+                    resume=args.resume, evaluate=evaluate)
+    port = server.start()
+    print(f"fedax server: listening on {args.host}:{port} (TLS)", file=sys.stderr, flush=True)
+    try:
+        server.wait()
+        time.sleep(args.linger_s)  # let polling clients hear "done"
+    finally:
+        server.stop()
+    print(f"fedax server: {server.rounds_done} rounds done", file=sys.stderr)
+    return 0
+
+
+def _evaluator(task, x, y):
+    import jax
+    import jax.numpy as jnp
+
+    from fedax.models import get_model
+
+    model = get_model(task.model, **task.model_options)
+    x, y = jnp.asarray(x), jnp.asarray(y)
+
+    @jax.jit
+    def accuracy(params):
+        return jnp.mean(jnp.argmax(model.apply(params, x), -1) == y)
+
+    return lambda params: {"test_accuracy": float(accuracy(params))}
+
+
+@_one_line
+def cmd_server_status(args) -> int:
+    from fedax.runtime import ClientTLS, server_status
+
+    status = server_status(args.server, ClientTLS(args.ca, args.server_name),
+                           timeout_s=args.timeout_s)
+    print(json.dumps(status, indent=1))
+    return 0
+
+
+@_one_line
+def cmd_client(args) -> int:
+    from fedax.runtime import Client, ClientConfig, ClientTLS, read_token
+
+    _logging(f"client {args.id}")
+    x, y = _data_file(args.data)
+    config = ClientConfig(args.server, args.id, read_token(args.token_file),
+                          ClientTLS(args.ca, args.server_name), state_dir=args.state_dir,
+                          reconnect_s=args.reconnect_s)
+    rounds = Client(config, x, y).run()
+    accepted = sum(1 for r in rounds if r[2])
+    print(f"fedax client {args.id}: done; {accepted} of {len(rounds)} reports accepted",
+          file=sys.stderr)
+    return 0
+
+
+def add_commands(sub, common: argparse.ArgumentParser) -> None:
+    """Adds ``server`` (init, start, status) and ``client`` to the ``fedax`` parser."""
+    server = sub.add_parser("server", help="the networked runtime's server (TLS, tokens)",
+                            parents=[common])
+    server_sub = server.add_subparsers(dest="server_command", required=True)
+    init = server_sub.add_parser(
+        "init", parents=[common],
+        help="a test setup in DIR: CA + server certificate, client tokens and registry, "
+             "task.json, one data file per client (for one machine or a trial)")
+    init.add_argument("dir")
+    init.add_argument("--clients", type=int, default=4, help="number of clients (default 4)")
+    init.add_argument("--hosts", default="localhost,127.0.0.1",
+                      help="host names / IPs the server certificate is valid for")
+    init.add_argument("--dataset", choices=("synthetic", "mnist"), default="synthetic",
+                      help="synthetic: Synthetic(1,1), logistic model; mnist: IID MNIST, 2NN "
+                           "(needs fedax data fetch mnist)")
+    init.add_argument("--algorithm", help="a registered algorithm (default fedavg)")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--overwrite", action="store_true")
+    init.set_defaults(func=cmd_server_init)
+
+    start = server_sub.add_parser("start", parents=[common], help="run the server")
+    start.add_argument("--task", required=True, help="task.json (algorithm, model, settings)")
+    start.add_argument("--cert", required=True, help="server certificate chain (PEM)")
+    start.add_argument("--key", required=True, help="server private key (PEM)")
+    start.add_argument("--registry", required=True, help="client registry (JSON)")
+    start.add_argument("--host", default="127.0.0.1",
+                       help="interface to listen on (0.0.0.0 for other machines)")
+    start.add_argument("--port", type=int, default=9092)
+    start.add_argument("--rounds", type=int, required=True)
+    start.add_argument("--cohort-size", type=int, required=True,
+                       help="K: accepted reports that close a round")
+    start.add_argument("--over-selection", type=float, default=0.0,
+                       help="select ceil(K*(1+f)) clients (default 0)")
+    start.add_argument("--min-reports", type=int,
+                       help="fewer accepted reports at the deadline retry the round "
+                            "(default K)")
+    start.add_argument("--min-clients", type=int,
+                       help="alive clients needed to open a round (default the selection)")
+    start.add_argument("--deadline-s", type=float, default=60.0)
+    start.add_argument("--max-attempts", type=int, default=10)
+    start.add_argument("--poll-interval-s", type=float, default=0.5)
+    start.add_argument("--liveness-s", type=float, default=10.0)
+    start.add_argument("--max-message-mb", type=float, default=256.0)
+    start.add_argument("--chunk-kb", type=float, default=1024.0)
+    start.add_argument("--checkpoint-dir", help="checkpoint after every round, rounds.jsonl")
+    start.add_argument("--resume", action="store_true",
+                       help="continue from the checkpoint in --checkpoint-dir")
+    start.add_argument("--test-data", help="an .npz (x, y) to evaluate after every round")
+    start.add_argument("--linger-s", type=float, default=2.0,
+                       help="after the last round, keep serving this long so clients hear "
+                            "'done' (default 2)")
+    start.set_defaults(func=cmd_server_start)
+
+    status = server_sub.add_parser("status", parents=[common],
+                                   help="a running server's state (health check)")
+    status.add_argument("--server", required=True, help="host:port")
+    status.add_argument("--ca", required=True, help="CA certificate (PEM)")
+    status.add_argument("--server-name", help="host name to expect in the certificate")
+    status.add_argument("--timeout-s", type=float, default=5.0)
+    status.set_defaults(func=cmd_server_status)
+
+    client = sub.add_parser("client", parents=[common],
+                            help="a networked runtime client on its own data")
+    client.add_argument("--server", required=True, help="host:port")
+    client.add_argument("--ca", required=True, help="CA certificate (PEM)")
+    client.add_argument("--server-name", help="host name to expect in the certificate")
+    client.add_argument("--id", type=int, required=True, help="this client's id")
+    client.add_argument("--token-file", required=True)
+    client.add_argument("--data", required=True, help="an .npz with this client's x and y")
+    client.add_argument("--state-dir", help="per-client state (SCAFFOLD's c_i) lives here")
+    client.add_argument("--reconnect-s", type=float, default=60.0,
+                        help="give up after the server is unreachable this long")
+    client.set_defaults(func=cmd_client)

@@ -1,0 +1,370 @@
+"""A fedax client: its own data, its own per-client state, the algorithm's client piece.
+
+The client pulls (Flower's SuperNodes do the same, papers.md §13): it calls ``Join`` once
+(the server answers with the task), then ``Poll``s; when it is selected the poll streams
+the task (payload, round id, model version, nonce), the client runs ``client_step``
+(jit-compiled: the algorithm's ``client_update`` on its own batches and state, then the
+aggregator's client stage) and streams its report back with ``Submit``. It never sends its
+data or its per-client state.
+
+Round t's batches are ``make_cohort`` of the client's own examples with
+``default_rng([seed, t, client_id])`` (``local_batches``): a pure function of what the
+client holds, so a simulator given the same per-client batches computes the same round.
+
+Per-client state (SCAFFOLD's c_i) lives in ``state_dir``: ``client_state.msgpack`` is the
+state after the last report the server aggregated; a new report's state waits in
+``pending_state.msgpack`` until a later poll says the round included it
+(``included_round``/``included_attempt``); if the round closed without it (a retry, a
+late or refused report), it is dropped. So a client that crashes, or a round that is
+retried, never leaves the client's state ahead of the server's.
+
+``Connection`` is the thin RPC layer (TLS channel, token metadata, chunked streams); the
+load test's light client stubs and ``fedax status`` use it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from fedax.runtime import wire
+from fedax.runtime.security import ClientTLS, metadata
+
+log = logging.getLogger("fedax.runtime.client")
+
+STATE = "client_state.msgpack"
+PENDING = "pending_state.msgpack"
+
+
+class Refused(PermissionError):
+    """The server refused this client (unknown, wrong token or revoked)."""
+
+
+class Connection:
+    """RPCs to a fedax server over TLS as one client (``metadata`` on every call)."""
+
+    def __init__(self, address: str, tls: ClientTLS, client_id: int, token: str,
+                 chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, timeout_s: float = 30.0):
+        options = wire.grpc_options(chunk_bytes)
+        if tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        self.channel = grpc.secure_channel(address, tls.credentials(), options=options)
+        self.client_id, self.chunk_bytes, self.timeout_s = int(client_id), chunk_bytes, timeout_s
+        self._meta = metadata(client_id, token)
+        calls = {}
+        for name, (req, resp, req_stream, resp_stream) in wire.METHODS.items():
+            make = {(False, False): self.channel.unary_unary,
+                    (False, True): self.channel.unary_stream,
+                    (True, False): self.channel.stream_unary}[(req_stream, resp_stream)]
+            calls[name] = make(f"/{wire.SERVICE}/{name}", request_serializer=req.SerializeToString,
+                               response_deserializer=resp.FromString)
+        self._calls = calls
+
+    def join(self) -> Any:
+        return self._calls["Join"](wire.JoinRequest(client_id=self.client_id),
+                                   metadata=self._meta, timeout=self.timeout_s)
+
+    def poll(self, max_bytes: int = 256 << 20) -> Any:
+        """The server's envelope: ``task``, ``wait`` or ``done``."""
+        stream = self._calls["Poll"](wire.PollRequest(client_id=self.client_id),
+                                     metadata=self._meta, timeout=self.timeout_s)
+        return wire.join_chunks(stream, max_bytes)
+
+    def submit(self, envelope: Any = None, chunks: Any = None) -> Any:
+        """Stream ``envelope`` (or ready ``chunks``) to the server; its ``SubmitReply``."""
+        if chunks is None:
+            chunks = wire.chunks(envelope, self.chunk_bytes)
+        return self._calls["Submit"](iter(chunks), metadata=self._meta,
+                                     timeout=self.timeout_s)
+
+    def status(self) -> dict[str, Any]:
+        import json
+
+        reply = self._calls["Status"](wire.StatusRequest(), metadata=self._meta,
+                                      timeout=self.timeout_s)
+        return json.loads(reply.json)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def server_status(address: str, tls: ClientTLS, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The server's status (state, rounds done, alive clients, the open round, the last
+    round's log); needs TLS, no client token."""
+    conn = Connection(address, tls, 0, "", timeout_s=timeout_s)
+    try:
+        return conn.status()
+    finally:
+        conn.close()
+
+
+def local_batches(x: np.ndarray, y: np.ndarray, local_epochs: int, batch_size: float,
+                  seed: int, t: int, client_id: int, num_steps: int | None = None):
+    """Client ``client_id``'s batches for round t from its own examples: ``(x [S, B, ...],
+    y [S, B], mask [S, B], n_k)`` as NumPy, shuffled with ``default_rng([seed, t,
+    client_id])`` (``fedax.data.make_cohort`` on a one-client ``ClientData``)."""
+    from fedax.data import ClientData, make_cohort
+
+    n = len(y)
+    data = ClientData(x, y, np.arange(n, dtype=np.int64), np.array([0, n], np.int64))
+    cohort = make_cohort(data, np.array([0]), local_epochs, batch_size,
+                         np.random.default_rng([seed, t, client_id]), num_steps=num_steps)
+    idx, mask = cohort.idx[0], cohort.mask[0]
+    return (np.asarray(x)[idx].astype(np.float32), np.asarray(y)[idx].astype(np.int32), mask,
+            np.float32(cohort.num_examples[0]))
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+def _built(task_json: str):
+    """``_build`` once per process and task, whichever client thread asks first."""
+    with _BUILD_LOCK:
+        return _build(task_json)
+
+
+@functools.lru_cache(maxsize=8)
+def _build(task_json: str):
+    """The task's pieces, templates and compiled client step (once per process and task,
+    so client stubs sharing a process share one compilation)."""
+    import jax
+
+    from fedax.runtime import store
+    from fedax.runtime.task import Task, build, client_step, key_data_template, payload_template
+
+    task = Task.from_json(task_json)
+    built = build(task)
+    pieces = built.pieces
+    template = payload_template(pieces, built.params)
+    step = jax.jit(functools.partial(client_step, pieces))
+    state_template = None
+    if pieces.client_state is not None:
+        state_template = jax.eval_shape(pieces.client_state, built.params)
+    return {"task": task, "pieces": pieces, "params": built.params,
+            "sent": store.raw_template(template), "sent_typed": template,
+            "key": key_data_template(), "step": step, "state_template": state_template}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """Where the server is and who this client is.
+
+    Attributes:
+      address: the server's ``host:port``.
+      client_id: this client's registered id (0..N-1).
+      token: its token.
+      tls: the CA to trust (``ClientTLS``).
+      state_dir: where the per-client state and the client's secret training seed live
+        (needed by algorithms with per-client state or keyed client updates).
+      reconnect_s: give up after this many seconds without reaching the server.
+      max_message_bytes: refuse a larger task from the server.
+    """
+
+    address: str
+    client_id: int
+    token: str
+    tls: ClientTLS
+    state_dir: str | None = None
+    reconnect_s: float = 30.0
+    max_message_bytes: int = 256 << 20
+    timeout_s: float = 30.0
+
+
+_RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+          grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+          grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+
+
+class Client:
+    """A client over its own examples ``x``, ``y`` (see the module docstring).
+
+    ``run()`` returns when the server says the run is done (or ``stop`` is set); it raises
+    ``Refused`` if the server refuses the credentials and ``ConnectionError`` if the server
+    stays unreachable for ``reconnect_s``.
+    """
+
+    def __init__(self, config: ClientConfig, x: np.ndarray, y: np.ndarray,
+                 stop: threading.Event | None = None):
+        self.config = config
+        self.x, self.y = np.asarray(x), np.asarray(y)
+        self.stop = stop or threading.Event()
+        self.rounds: list[tuple[int, int, bool, str]] = []  # (round, attempt, accepted, why)
+        self._conn: Connection | None = None
+
+    # ---------------------------------------------------------------- state files
+
+    def _paths(self) -> tuple[Path, Path] | tuple[None, None]:
+        if self.config.state_dir is None:
+            return None, None
+        d = Path(self.config.state_dir)
+        return d / STATE, d / PENDING
+
+    def _load_state(self, b) -> Any:
+        from fedax.runtime import store
+
+        if b["state_template"] is None:
+            return None
+        state_path, _ = self._paths()
+        if state_path is None:
+            raise ValueError(f"algorithm {b['task'].algorithm!r} keeps per-client state: give "
+                             "the client a state_dir")
+        if state_path.exists():
+            data = store.load(state_path)
+            if data.get("task_sha256") != b["task"].sha256():
+                raise ValueError(f"{state_path} belongs to another task; use a new state_dir")
+            return store.decode(data["state"], b["state_template"], "client state")
+        return b["pieces"].client_state(b["params"])
+
+    def _settle(self, b, env) -> None:
+        """Commit or drop the pending state per the server's ``included_*``."""
+        state_path, pending_path = self._paths()
+        if pending_path is None or not pending_path.exists():
+            return
+        from fedax.runtime import store
+
+        pending = store.load(pending_path)
+        mine = (pending["round"], pending["attempt"])
+        if (env.included_round, env.included_attempt) == mine:
+            pending_path.replace(state_path)
+            log.info("client %d: state of round %d.%d kept", self.config.client_id, *mine)
+        elif env.rounds_done > mine[0]:
+            pending_path.unlink()
+            log.info("client %d: round %d.%d closed without this report; its state dropped",
+                     self.config.client_id, *mine)
+
+    def _train_key(self, t: int):
+        """The client's own training key for round t (keyed client updates): from a secret
+        seed kept in ``state_dir``."""
+        import jax
+
+        d = Path(self.config.state_dir or ".")
+        seed_path = d / "client_seed"
+        if not seed_path.exists():
+            d.mkdir(parents=True, exist_ok=True)
+            seed_path.write_text(str(int.from_bytes(np.random.bytes(4), "little")))
+        key = jax.random.fold_in(jax.random.key(int(seed_path.read_text())), t)
+        return np.asarray(jax.random.key_data(key))
+
+    # ----------------------------------------------------------------------- loop
+
+    def _call(self, fn, *args):
+        """``fn(*args)``, reconnecting through transient failures for ``reconnect_s``."""
+        start, wait = time.monotonic(), 0.05
+        while True:
+            try:
+                return fn(*args)
+            except grpc.RpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    raise Refused(f"the server refused client {self.config.client_id}: "
+                                  f"{err.details()}") from None
+                if code not in _RETRY or self.stop.is_set():
+                    raise
+                if time.monotonic() - start > self.config.reconnect_s:
+                    raise ConnectionError(
+                        f"server {self.config.address} unreachable for "
+                        f"{self.config.reconnect_s:g} s ({code.name}); check that it runs "
+                        "and the address") from None
+            except wire.WireError as err:  # a poll stream cut short: the server went away
+                if time.monotonic() - start > self.config.reconnect_s:
+                    raise ConnectionError(f"server {self.config.address}: {err}") from None
+            self.stop.wait(wait)
+            wait = min(wait * 2, 1.0)
+
+    def run(self) -> list[tuple[int, int, bool, str]]:
+        cfg = self.config
+        conn = Connection(cfg.address, cfg.tls, cfg.client_id, cfg.token,
+                          timeout_s=cfg.timeout_s)
+        self._conn = conn
+        try:
+            reply = self._call(conn.join)
+            b = _built(reply.task_json)
+            conn.chunk_bytes = min(conn.chunk_bytes, int(reply.chunk_bytes) or conn.chunk_bytes)
+            self._warm_up(b)
+            log.info("client %d joined %s", cfg.client_id, cfg.address)
+            while not self.stop.is_set():
+                env = self._call(conn.poll, cfg.max_message_bytes)
+                self._settle(b, env)
+                if env.kind == "done":
+                    break
+                if env.kind == "task":
+                    self._work(conn, b, env)
+                    continue
+                self.stop.wait(max(env.retry_after_s, 0.01))
+        finally:
+            conn.close()
+        return self.rounds
+
+    def _inputs(self, b, t: int, sent: Any, agg_key: Any):
+        from fedax.client import Batches
+
+        task = b["task"]
+        x, y, mask, n = local_batches(self.x, self.y, task.local_epochs, task.batch,
+                                      task.seed, t, self.config.client_id)
+        train_key = self._train_key(t) if b["pieces"].keyed else None
+        return (sent["payload"], self._load_state(b), Batches(x, y, mask), n,
+                sent["aggregator"], agg_key, train_key)
+
+    def _warm_up(self, b) -> None:
+        """Compile the client step for this client's batch shapes before polling, so the
+        first round's deadline is not spent compiling (one compilation per process and
+        shape: client threads sharing a process wait for the first)."""
+        import jax
+        import jax.numpy as jnp
+
+        from fedax.runtime import store
+
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), b["sent"])
+        sent = store.typed(zeros, b["sent_typed"])
+        agg_key = None
+        if b["pieces"].aggregator.client is not None:
+            agg_key = np.zeros(b["key"].shape, b["key"].dtype)
+        with _BUILD_LOCK:
+            jax.block_until_ready(b["step"](*self._inputs(b, 0, sent, agg_key)))
+
+    def _work(self, conn: Connection, b, env) -> None:
+        import jax
+
+        from fedax.runtime import store
+
+        task = b["task"]
+        cid, t = self.config.client_id, int(env.round)
+        tensors = list(env.tensors)
+        agg_key = None
+        if b["pieces"].aggregator.client is not None:
+            *tensors, key_tensor = tensors
+            (agg_key,) = wire.decode_arrays([key_tensor], wire.expected_layout(
+                b["key"], "aggregator_key"), "task")
+        sent = store.typed(wire.decode_tree(tensors, b["sent"], "task"), b["sent_typed"])
+        report, new_state = b["step"](*self._inputs(b, t, sent, agg_key))
+        report = jax.device_get(report)
+        finite = wire.all_finite(jax.tree.leaves(report)) is None
+        if new_state is not None:
+            finite = finite and wire.all_finite(
+                np.asarray(a) for a in jax.tree.leaves(new_state)) is None
+        if not finite:
+            log.warning("client %d: round %d.%d gave non-finite values; not reporting",
+                        cid, t, env.attempt)
+            self.rounds.append((t, int(env.attempt), False, "non-finite"))
+            return
+        if new_state is not None:
+            _, pending_path = self._paths()
+            store.save(pending_path, {"round": t, "attempt": int(env.attempt),
+                                      "task_sha256": task.sha256(),
+                                      "state": store.encode(new_state)})
+        out = wire.Envelope(kind="update", client_id=cid, round=t, attempt=env.attempt,
+                            model_version=env.model_version, nonce=env.nonce,
+                            tensors=wire.encode_tree(report))
+        reply = self._call(conn.submit, out)
+        self.rounds.append((t, int(env.attempt), bool(reply.accepted), reply.reason))
+        if not reply.accepted:
+            log.warning("client %d: report for round %d.%d refused: %s", cid, t, env.attempt,
+                        reply.reason)

@@ -1,0 +1,199 @@
+"""TLS credentials from files, client tokens, and a throwaway PKI for trying things out.
+
+Every connection is TLS (grpcio's ``ssl_server_credentials`` /
+``ssl_channel_credentials``); the server never opens a plaintext port, so a plaintext
+client fails its handshake. Clients authenticate with a bearer token sent as gRPC metadata
+on every call (``fedax-client-id``, ``fedax-token``), over that TLS channel. The server
+keeps a registry file mapping each client id to the SHA-256 of its token and a ``revoked``
+flag; an unknown id, a wrong token or a revoked client is refused with
+``UNAUTHENTICATED`` before anything else happens. (Flower's SuperNode authentication signs
+a timestamp with an EC key registered at the SuperLink instead, papers.md §13; a token is
+the simpler of the two the issue allows, and the registry stores no secret.)
+
+``make_dev_pki`` writes a CA, a server certificate for the given host names and a token per
+client with ``cryptography``; use it for tests and for a first run on one machine, and a
+real CA for deployments (docs/deployment.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CLIENT_ID_KEY = "fedax-client-id"
+TOKEN_KEY = "fedax-token"
+
+
+def _read(path: str | os.PathLike[str], what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise ValueError(f"cannot read the {what} {str(path)!r} ({err.strerror}); pass an "
+                         "existing PEM file (fedax server init writes a test set)") from None
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """The server's certificate chain and private key (PEM files)."""
+
+    cert: str
+    key: str
+
+    def credentials(self):
+        import grpc
+
+        return grpc.ssl_server_credentials(
+            [(_read(self.key, "server key"), _read(self.cert, "server certificate"))])
+
+
+@dataclass(frozen=True)
+class ClientTLS:
+    """The CA certificate (PEM) a client checks the server's certificate against, and
+    optionally the host name to expect in it (default: the address's host)."""
+
+    ca: str
+    server_name: str | None = None
+
+    def credentials(self):
+        import grpc
+
+        return grpc.ssl_channel_credentials(root_certificates=_read(self.ca, "CA certificate"))
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Registry:
+    """Registered clients: id -> (SHA-256 of the token, revoked)."""
+
+    clients: Mapping[int, tuple[str, bool]]
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Registry:
+        """Read ``{"clients": {"<id>": {"sha256": "...", "revoked": false}}}``."""
+        try:
+            data = json.loads(_read(path, "client registry"))
+            clients = {int(k): (str(v["sha256"]), bool(v.get("revoked", False)))
+                       for k, v in data["clients"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"client registry {str(path)!r} is not valid ({err}); expected "
+                             '{"clients": {"0": {"sha256": ..., "revoked": false}}}') from None
+        return cls(clients)
+
+    @classmethod
+    def of_tokens(cls, tokens: Mapping[int, str], revoked: Iterable[int] = ()) -> Registry:
+        revoked = set(revoked)
+        return cls({int(k): (token_hash(t), int(k) in revoked) for k, t in tokens.items()})
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        data = {"clients": {str(k): {"sha256": h, "revoked": r}
+                            for k, (h, r) in sorted(self.clients.items())}}
+        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+
+    def check(self, client_id: str | None, token: str | None) -> tuple[int | None, str]:
+        """``(client id, "")`` if the credentials are good, else ``(None, reason)``."""
+        try:
+            cid = int(client_id) if client_id is not None else None
+        except ValueError:
+            cid = None
+        if cid is None or token is None:
+            return None, "no client id or token"
+        entry = self.clients.get(cid)
+        if entry is None:
+            return None, f"unknown client {cid}"
+        if not hmac.compare_digest(entry[0], token_hash(token)):
+            return None, f"wrong token for client {cid}"
+        if entry[1]:
+            return None, f"client {cid} is revoked"
+        return cid, ""
+
+
+def metadata(client_id: int, token: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that authenticates a client."""
+    return ((CLIENT_ID_KEY, str(int(client_id))), (TOKEN_KEY, token))
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def make_dev_pki(directory: str | os.PathLike[str], num_clients: int,
+                 hosts: Iterable[str] = ("localhost", "127.0.0.1"),
+                 days: int = 30) -> dict[str, Any]:
+    """A throwaway CA, a server certificate for ``hosts`` signed by it, and a token per
+    client, written to ``directory``: ``ca.pem``, ``server.pem``, ``server.key``,
+    ``registry.json`` and ``tokens/<id>.token``. Returns the paths (and the tokens).
+
+    Keys are EC P-256; the CA key is not kept (nothing more can be signed with it).
+    """
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    out = Path(directory)
+    (out / "tokens").mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedax test CA")])
+    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(start).not_valid_after(end)
+               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+               .sign(ca_key, hashes.SHA256()))
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    names = []
+    for host in hosts:
+        try:
+            import ipaddress
+
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    hosts = list(hosts)
+    server_cert = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+                   .issuer_name(ca_name).public_key(server_key.public_key())
+                   .serial_number(x509.random_serial_number())
+                   .not_valid_before(start).not_valid_after(end)
+                   .add_extension(x509.SubjectAlternativeName(names), critical=False)
+                   .add_extension(x509.BasicConstraints(ca=False, path_length=None),
+                                  critical=True)
+                   .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    (out / "ca.pem").write_bytes(ca_cert.public_bytes(pem))
+    (out / "server.pem").write_bytes(server_cert.public_bytes(pem))
+    _write_private(out / "server.key", server_key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    tokens = {k: new_token() for k in range(int(num_clients))}
+    for k, token in tokens.items():
+        _write_private(out / "tokens" / f"{k}.token", token.encode())
+    Registry.of_tokens(tokens).save(out / "registry.json")
+    return {"ca": str(out / "ca.pem"), "cert": str(out / "server.pem"),
+            "key": str(out / "server.key"), "registry": str(out / "registry.json"),
+            "tokens": tokens}
+
+
+def read_token(path: str | os.PathLike[str]) -> str:
+    token = _read(path, "client token").decode().strip()
+    if not token:
+        raise ValueError(f"the token file {str(path)!r} is empty; use the file fedax server "
+                         "init wrote for this client")
+    return token

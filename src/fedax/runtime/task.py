@@ -1,0 +1,236 @@
+"""What a networked run computes: the task (algorithm, model, hyperparameters) and the two
+halves of a round built from the algorithm's own ``RoundPieces``.
+
+A ``Task`` names a registered algorithm (``fedax.algorithms.ALGORITHMS``) and model
+(``fedax.models.get_model``) with plain numbers; server and clients build the *same*
+pieces from it with their own installed fedax (``build``). The server sends the task as
+JSON when a client joins: names and numbers only, looked up in the registries, never code.
+
+The round is ``fedax.algorithms.cohort_round`` cut where the network cuts it
+(DESIGN.md, "A round in pieces"):
+
+* ``client_step`` (on each client, jit-compiled): the algorithm's ``client_update`` on the
+  client's own batches and per-client state, then the aggregator's client stage
+  (``Aggregator.client``: clipping, encoding) with the aggregator state the server sent;
+* ``server_step`` (on the server, jit-compiled, over the accepted clients' reports
+  stacked on a leading clients axis): ``reweigh``, the aggregator's ``reduce`` and
+  ``server`` stages, the federated sum of ``sums`` and the algorithm's ``server_update``.
+
+Between the two the server checks every report (``fedax.runtime.server``); a rejected
+report never reaches ``server_step``, as ``accept_finite`` keeps a non-finite client out of
+the simulated round. Keys: round t's key is ``fold_in(key(seed), t)`` and the aggregator's
+client-stage key of the i-th selected client is ``split(split(key, 3)[0], C)[i]``, both as
+the simulator derives them (``fedax.simulation.run``, ``fedax.aggregators.aggregate``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedax import federated as fed
+from fedax.algorithms import ALGORITHMS, RoundPieces, RoundState, init_state
+from fedax.client import Batches
+from fedax.models import get_model, softmax_cross_entropy
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A networked run's algorithm and hyperparameters (JSON-able; see ``to_json``).
+
+    Attributes:
+      algorithm: a ``fedax.algorithms.ALGORITHMS`` name (fedavg, fedprox, scaffold, the
+        FedOpt names, ...).
+      model: a ``fedax.models.MODEL_NAMES`` name; ``model_options`` its keyword arguments
+        (``logistic``: ``input_dim``, ``num_classes``).
+      num_clients: N, the population (SCAFFOLD's c-update divides by it; client ids are
+        0..N-1).
+      client_lr, local_epochs, batch_size: the client's η, E and B (``"inf"``: one full
+        batch a step).
+      seed: initial model ``model.init(key(seed))``, round keys, selection and the clients'
+        shuffles.
+      input_shape: one example's feature shape (float32; labels are int32 scalars): the
+        server checks reports against shapes it derives from it.
+      options: the algorithm's other keyword arguments (``mu``, ``server_optimizer``,
+        ``server_lr``, ``weighting``, ...).
+    """
+
+    algorithm: str
+    model: str
+    num_clients: int
+    client_lr: float
+    local_epochs: int = 1
+    batch_size: int | str = 10
+    seed: int = 0
+    input_shape: list[int] = dataclasses.field(default_factory=lambda: [784])
+    model_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algorithm!r}; allowed: "
+                             f"{', '.join(sorted(ALGORITHMS))}")
+        if not isinstance(self.num_clients, int) or self.num_clients < 1:
+            raise ValueError(f"num_clients must be a positive int, got {self.num_clients!r}")
+        object.__setattr__(self, "input_shape", [int(d) for d in self.input_shape])
+        if self.batch_size != "inf" and (not isinstance(self.batch_size, int)
+                                         or self.batch_size < 1):
+            raise ValueError(f"batch_size must be a positive int or 'inf', got "
+                             f"{self.batch_size!r}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Task:
+        try:
+            data = json.loads(text)
+            return cls(**data)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"not a valid task: {err}") from None
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    @property
+    def batch(self) -> float:
+        return math.inf if self.batch_size == "inf" else int(self.batch_size)
+
+
+class Built(NamedTuple):
+    """A task's model, pieces and initial parameters."""
+
+    pieces: RoundPieces
+    apply: Any
+    params: Any
+
+
+def build(task: Task) -> Built:
+    """The task's ``RoundPieces`` (from the algorithm registry, with the cross-entropy loss
+    as ``fedax run`` uses), model apply and initial parameters."""
+    model = get_model(task.model, **task.model_options)
+
+    def loss_fn(params, batch: Batches):
+        return softmax_cross_entropy(model.apply(params, batch.x), batch.y, batch.mask)
+
+    algorithm = ALGORITHMS[task.algorithm](loss_fn, num_clients=task.num_clients,
+                                           client_lr=task.client_lr, **task.options)
+    if algorithm.pieces is None:
+        raise ValueError(f"algorithm {task.algorithm!r} is not a composition of round "
+                         "pieces; the runtime runs pieces only")
+    params = jax.jit(model.init)(jax.random.key(task.seed))
+    return Built(algorithm.pieces, model.apply, params)
+
+
+# --------------------------------------------------------------------- the two halves
+
+
+class Report(NamedTuple):
+    """What a client sends (its ``ClientMessage`` after the aggregator's client stage, and
+    its n_k for the weighted round statistics)."""
+
+    update: Any
+    weight: jax.Array
+    stats: dict[str, jax.Array]
+    sums: Any
+    aggregator_stats: Any
+    num_examples: jax.Array
+
+
+def server_state(pieces: RoundPieces, params: Any) -> RoundState:
+    """The server's initial state (no per-client table: clients keep their own)."""
+    return init_state(pieces, params)
+
+
+def round_key(seed: int, t: int) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(seed), t)
+
+
+def aggregator_client_keys(key: jax.Array, num_selected: int) -> jax.Array:
+    """``[C, ...]`` raw key data of the selected clients' aggregator client stages."""
+    client_key = jax.random.split(key, 3)[0]
+    return jax.random.key_data(jax.random.split(client_key, num_selected))
+
+
+def client_step(pieces: RoundPieces, payload: Any, client_state: Any, batches: Batches,
+                num_examples: jax.Array, aggregator_state: Any, aggregator_key: Any,
+                train_key: Any) -> tuple[Report, Any]:
+    """One client's half of a round; returns its ``Report`` and its new per-client state.
+
+    ``aggregator_key`` and ``train_key`` are raw key data (or None when unused)."""
+    extra = (jax.random.wrap_key_data(train_key),) if pieces.keyed else ()
+    message = pieces.client_update(payload, client_state, batches, num_examples, *extra)
+    update, weight, stats = message.update, message.weight, ()
+    if pieces.aggregator.client is not None:
+        key = None if aggregator_key is None else jax.random.wrap_key_data(aggregator_key)
+        update, weight, stats = pieces.aggregator.client(update, weight, aggregator_state,
+                                                         key)
+    report = Report(update, jnp.asarray(weight, jnp.float32), dict(message.stats),
+                    message.sums, stats, jnp.asarray(num_examples, jnp.float32))
+    return report, message.client_state
+
+
+def server_step(pieces: RoundPieces, state: RoundState, reports: Report,
+                key: jax.Array) -> tuple[RoundState, dict[str, jax.Array]]:
+    """The server's half of round ``state.round`` on the accepted reports (client-placed:
+    leading axis C; padding rows have weight 0 and zeros). Mirrors ``cohort_round`` after
+    its ``map_clients``, with the finite check done per report before this call."""
+    _, reduce_key, server_key = jax.random.split(key, 3)
+    aggregator = pieces.aggregator
+    weights = reports.weight
+    if pieces.reweigh is not None:
+        weights = pieces.reweigh(weights, reports.stats)
+    value, metrics = aggregator.reduce(reports.update, weights, state.aggregator, reduce_key)
+    metrics = dict(metrics)
+    aggregator_state = state.aggregator
+    if aggregator.server is not None:
+        stats = None
+        if aggregator.client is not None:
+            stats = reports.aggregator_stats
+            stats = fed.sum(stats) if jax.tree.leaves(stats) else stats
+        value, aggregator_state, more = aggregator.server(value, stats, state.aggregator,
+                                                          server_key)
+        metrics.update(more)
+    sums = reports.sums
+    if jax.tree.leaves(sums):
+        sums = fed.sum(sums)
+    server, server_metrics = pieces.server_update(state.server, value, sums)
+    counted = reports.num_examples
+    stats = {name: fed.weighted_mean(s, counted) for name, s in reports.stats.items()}
+    metrics = {**stats, **metrics, **server_metrics}
+    return RoundState(server, aggregator_state, None, state.round + 1), metrics
+
+
+def payload_template(pieces: RoundPieces, params: Any) -> Any:
+    """Shapes and dtypes of what the server sends: the payload, the aggregator state."""
+    state = jax.eval_shape(lambda p: server_state(pieces, p), params)
+    return jax.eval_shape(lambda s: {"payload": pieces.payload(s.server),
+                                     "aggregator": s.aggregator}, state)
+
+
+def key_data_template() -> jax.ShapeDtypeStruct:
+    """Shape and dtype of one raw PRNG key (``jax.random.key_data``)."""
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+
+
+def report_template(pieces: RoundPieces, params: Any, input_shape: list[int]) -> Any:
+    """Shapes and dtypes of one client's ``Report`` (the server checks every report
+    against it); independent of the client's batch shapes."""
+    sent = payload_template(pieces, params)
+    batches = Batches(jax.ShapeDtypeStruct((1, 1, *input_shape), jnp.float32),
+                      jax.ShapeDtypeStruct((1, 1), jnp.int32),
+                      jax.ShapeDtypeStruct((1, 1), jnp.float32))
+    client_state = None
+    if pieces.client_state is not None:
+        client_state = jax.eval_shape(pieces.client_state, params)
+    key = key_data_template()
+    report, _ = jax.eval_shape(
+        lambda p, c, b, a, k: client_step(pieces, p, c, b, jnp.float32(1.0), a, k, k),
+        sent["payload"], client_state, batches, sent["aggregator"], key)
+    return report

@@ -1,0 +1,336 @@
+"""The networked runtime on loopback: a real gRPC server with TLS and client tokens, real
+clients (threads of this process, each with its own partition and state directory), the
+same round pieces as the simulator.
+
+Every server and client here stops by itself: servers run a fixed number of rounds and
+clients leave when the server says ``done``; every wait has a timeout."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import jax
+import numpy as np
+import pytest
+
+from fedax.algorithms import CohortBatches, make
+from fedax.client import Batches
+from fedax.data import synthetic
+from fedax.models import get_model, softmax_cross_entropy
+from fedax.runtime import (
+    Client,
+    ClientConfig,
+    ClientTLS,
+    Connection,
+    Refused,
+    Registry,
+    Server,
+    ServerConfig,
+    ServerTLS,
+    Task,
+    local_batches,
+    make_dev_pki,
+    server_status,
+    wire,
+)
+from fedax.simulation import Execution, HostCohorts
+from fedax.simulation import run as simulate
+
+NUM_CLIENTS = 6
+DIM, CLASSES = 20, 5
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_dev_pki(tmp_path_factory.mktemp("pki"), num_clients=200)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    """Each client's own examples (non-IID Synthetic(1, 1), 40 examples each)."""
+    train, _ = synthetic(1.0, 1.0, num_clients=NUM_CLIENTS, dim=DIM, num_classes=CLASSES,
+                         seed=3, sizes=45)
+    return [(train.x[train.client_indices(k)], train.y[train.client_indices(k)])
+            for k in range(NUM_CLIENTS)]
+
+
+def make_task(algorithm="fedavg", **kw):
+    base = dict(algorithm=algorithm, model="logistic", num_clients=NUM_CLIENTS,
+                client_lr=0.1, local_epochs=2, batch_size=10, seed=7, input_shape=[DIM],
+                model_options={"input_dim": DIM, "num_classes": CLASSES})
+    base.update(kw)
+    return Task(**base)
+
+
+def start_server(task, pki, **config):
+    config.setdefault("deadline_s", 20.0)
+    config.setdefault("poll_interval_s", 0.05)
+    server = Server(task, ServerConfig(**config), ServerTLS(pki["cert"], pki["key"]),
+                    Registry.load(pki["registry"]))
+    return server, server.start()
+
+
+def client_config(pki, port, k, tmp_path=None, **kw):
+    state_dir = None if tmp_path is None else str(tmp_path / f"client{k}")
+    return ClientConfig(f"127.0.0.1:{port}", k, pki["tokens"][k], ClientTLS(pki["ca"]),
+                        state_dir=state_dir, reconnect_s=kw.pop("reconnect_s", 10.0), **kw)
+
+
+def run_clients(configs, parts, results=None):
+    """Start one thread per client config; returns the threads and their results."""
+    results = {} if results is None else results
+
+    def go(cfg):
+        try:
+            x, y = parts[cfg.client_id % len(parts)]
+            results[cfg.client_id] = Client(cfg, x, y).run()
+        except BaseException as err:  # reported by the test
+            results[cfg.client_id] = err
+
+    threads = [threading.Thread(target=go, args=(c,), daemon=True) for c in configs]
+    for th in threads:
+        th.start()
+    return threads, results
+
+
+def join_all(threads, timeout=60.0):
+    end = time.monotonic() + timeout
+    for th in threads:
+        th.join(max(end - time.monotonic(), 0.0))
+    assert not any(th.is_alive() for th in threads), "a client did not stop by itself"
+
+
+def simulated(task, parts, rounds, cohorts=None):
+    """The simulator's model after ``rounds`` rounds of ``task``, round t with the clients
+    ``cohorts[t]`` (default: every client every round), each client's batches made as the
+    client makes them."""
+    model = get_model(task.model, **task.model_options)
+
+    def loss_fn(params, batch):
+        return softmax_cross_entropy(model.apply(params, batch.x), batch.y, batch.mask)
+
+    algorithm = make(task.algorithm, loss_fn, num_clients=task.num_clients,
+                     client_lr=task.client_lr, **task.options)
+
+    def cohort(t):
+        ids = range(len(parts)) if cohorts is None else cohorts[t]
+        made = [local_batches(*parts[k], task.local_epochs, task.batch, task.seed, t, k)
+                for k in ids]
+        xs, ys, masks, ns = zip(*made, strict=True)
+        return CohortBatches(Batches(np.stack(xs), np.stack(ys), np.stack(masks)),
+                             np.array(ns, np.float32), np.array(list(ids), np.int32))
+
+    params = jax.jit(model.init)(jax.random.key(task.seed))
+    history = simulate(algorithm, params, HostCohorts(cohort, task.num_clients), None,
+                       rounds=rounds, seed=task.seed, execution=Execution("vmap", "scan", 1))
+    return algorithm.server_params(history.state)
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold", "fedadam"])
+def test_networked_run_equals_the_simulator(algorithm, pki, parts, tmp_path):
+    rounds = 3
+    task = make_task(algorithm)
+    server, port = start_server(task, pki, rounds=rounds, cohort_size=NUM_CLIENTS,
+                                checkpoint_dir=str(tmp_path / "server"))
+    try:
+        threads, results = run_clients(
+            [client_config(pki, port, k, tmp_path) for k in range(NUM_CLIENTS)], parts)
+        assert server.wait(60.0)
+        join_all(threads)
+    finally:
+        server.stop()
+    for k in range(NUM_CLIENTS):
+        assert results[k] == [(t, 0, True, "") for t in range(rounds)], results[k]
+    expected = simulated(task, parts, rounds)
+    assert_trees_close(server.params, expected)
+    # The model moved (the comparison is not between two initial models).
+    initial = jax.jit(get_model("logistic", input_dim=DIM, num_classes=CLASSES).init)(
+        jax.random.key(task.seed))
+    assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in
+               zip(jax.tree.leaves(initial), jax.tree.leaves(server.params), strict=True)) > 1e-3
+    for record in server.history:
+        assert (record["selected"], record["reported"], record["dropped"],
+                record["rejected"]) == (NUM_CLIENTS, NUM_CLIENTS, 0, 0)
+        assert record["bytes_in"] > 0 and record["bytes_out"] > 0 and record["round_s"] > 0
+    if algorithm == "scaffold":  # c_i lives on the client, in its own directory
+        assert all((tmp_path / f"client{k}" / "client_state.msgpack").exists()
+                   for k in range(NUM_CLIENTS))
+        assert not (tmp_path / "server" / "client_state.msgpack").exists()
+
+
+# ---------------------------------------------------------------------- security
+
+
+def test_plaintext_client_is_refused(pki, tmp_path):
+    server, port = start_server(make_task(), pki, rounds=1, cohort_size=1)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        call = channel.unary_unary(f"/{wire.SERVICE}/Status",
+                                   request_serializer=wire.StatusRequest.SerializeToString,
+                                   response_deserializer=wire.StatusReply.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            call(wire.StatusRequest(), timeout=3.0)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        channel.close()
+        # The same call over TLS works: the server is up, it only refuses plaintext.
+        status = server_status(f"127.0.0.1:{port}", ClientTLS(pki["ca"]))
+        assert status["state"] == "waiting" and status["rounds_done"] == 0
+    finally:
+        server.stop()
+
+
+def test_unauthenticated_clients_are_refused(pki, parts, caplog):
+    tokens = dict(pki["tokens"])
+    registry = Registry.of_tokens({0: tokens[0], 1: tokens[1]}, revoked=[1])
+    server = Server(make_task(), ServerConfig(rounds=1, cohort_size=1, poll_interval_s=0.05),
+                    ServerTLS(pki["cert"], pki["key"]), registry)
+    port = server.start()
+    caplog.set_level(logging.WARNING, logger="fedax.runtime.server")
+    try:
+        cases = {"unknown client 5": (5, tokens[5]), "wrong token for client 0": (0, "nope"),
+                 "client 1 is revoked": (1, tokens[1])}
+        for reason, (cid, token) in cases.items():
+            cfg = ClientConfig(f"127.0.0.1:{port}", cid, token, ClientTLS(pki["ca"]),
+                               reconnect_s=2.0)
+            with pytest.raises(Refused, match=reason):
+                Client(cfg, *parts[0]).run()
+            assert reason in caplog.text
+        assert server.last_seen == {}  # none of them got in
+        assert server.rounds_done == 0
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------- report checks
+
+
+def _rogue(kind, cid, pki, port, template, done, log):
+    """A registered, selected client that sends a bad report of ``kind`` every round."""
+    conn = Connection(f"127.0.0.1:{port}", ClientTLS(pki["ca"]), cid, pki["tokens"][cid],
+                      timeout_s=5.0)
+    conn.chunk_bytes = conn.join().chunk_bytes  # as a real client does
+    zeros = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), template)
+    old = None
+    try:
+        while not done.is_set():
+            env = conn.poll()
+            if env.kind == "done":
+                return
+            if env.kind != "task":
+                time.sleep(0.02)
+                continue
+            report = zeros._replace(weight=np.float32(0.0), num_examples=np.float32(0.0))
+            if kind == "shape":
+                report = report._replace(update=jax.tree.map(
+                    lambda a: np.zeros((a.shape[0] + 1, *a.shape[1:]), a.dtype), report.update))
+            if kind == "nan":
+                report = report._replace(update=jax.tree.map(
+                    lambda a: np.full(a.shape, np.nan, a.dtype), report.update),
+                    weight=np.float32(1.0))
+            out = wire.Envelope(kind="update", client_id=cid, round=env.round,
+                                attempt=env.attempt, model_version=env.model_version,
+                                nonce=env.nonce, tensors=wire.encode_tree(report))
+            if kind == "wrong-round":
+                out.round = env.round + 1
+            if kind == "oversized":
+                out.tensors.extend(wire.encode_arrays([("extra", np.zeros(50_000, np.float32))]))
+            if kind == "truncated":
+                pieces = list(wire.chunks(out, 64))
+                log.append((kind, conn.submit(chunks=pieces[: len(pieces) // 2])))
+            elif kind == "replay":
+                if old is not None:  # the previous round's accepted report, sent again
+                    log.append(("replay-old", conn.submit(old)))
+                else:
+                    log.append(("first", conn.submit(out)))
+                    log.append(("replay", conn.submit(out)))
+                    old = out
+            else:
+                log.append((kind, conn.submit(out)))
+    finally:
+        conn.close()
+
+
+ROGUES = {"shape": "structure", "nan": "non-finite", "truncated": "truncated",
+          "oversized": "oversized", "wrong-round": "wrong-round", "replay": "replay"}
+
+
+def test_bad_reports_are_rejected_and_never_averaged(pki, parts, caplog):
+    honest = 4
+    rogues = list(ROGUES)
+    task = make_task()
+    caplog.set_level(logging.INFO, logger="fedax.runtime.server")
+    server, port = start_server(task, pki, rounds=2, cohort_size=honest + len(rogues),
+                                min_reports=honest, max_message_bytes=100_000,
+                                chunk_bytes=4096)
+    done, logs = threading.Event(), {}
+    try:
+        threads, results = run_clients([client_config(pki, port, k) for k in range(honest)],
+                                       parts)
+        for i, kind in enumerate(rogues):
+            logs[kind] = []
+            th = threading.Thread(target=_rogue, daemon=True, args=(
+                kind, honest + i, pki, port, server.report_template, done, logs[kind]))
+            th.start()
+            threads.append(th)
+        assert server.wait(60.0)
+        join_all(threads)
+    finally:
+        done.set()
+        server.stop()
+    for k in range(honest):
+        assert [r[2] for r in results[k]] == [True, True]
+    kinds = {(e["client"], e["kind"]) for e in server.rejections}
+    for i, kind in enumerate(rogues):
+        assert (honest + i, ROGUES[kind]) in kinds, (kind, server.rejections)
+        assert f"rejected a report from client {honest + i}: {ROGUES[kind]}" in caplog.text
+    replies = dict(logs["replay"])
+    assert replies["first"].accepted and not replies["replay"].accepted
+    assert replies["replay"].reason.startswith("replay")
+    assert replies["replay-old"].reason.startswith("wrong-round")
+    # Each round closed with the honest clients (and in round 0 the replayer's first report).
+    assert [(r["status"], r["reported"], r["rejected"]) for r in server.history] == [
+        ("closed", honest + 1, len(rogues) - 1), ("closed", honest, len(rogues))]
+    # Never averaged: the model is the honest clients' (the replayer's first report has
+    # weight 0, so it counts for nothing either).
+    assert_trees_close(server.params, simulated(task, parts[:honest], 2))
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def test_the_commands(pki, tmp_path, capsys):
+    """``fedax server init`` writes a working setup, ``fedax server status`` reads a running
+    server, and a refused client ends in one line."""
+    from fedax.cli.main import main
+
+    out = tmp_path / "setup"
+    assert main(["server", "init", str(out), "--clients", "2"]) == 0
+    for name in ("ca.pem", "server.pem", "server.key", "registry.json", "task.json",
+                 "tokens/0.token", "tokens/1.token", "data/client_0.npz", "data/test.npz"):
+        assert (out / name).is_file(), name
+    setup = {"cert": str(out / "server.pem"), "key": str(out / "server.key"),
+             "registry": str(out / "registry.json")}
+    task = Task.from_json((out / "task.json").read_text())
+    server, port = start_server(task, setup, rounds=1, cohort_size=2)
+    try:
+        capsys.readouterr()
+        assert main(["server", "status", "--server", f"localhost:{port}",
+                     "--ca", str(out / "ca.pem")]) == 0
+        assert '"state": "waiting"' in capsys.readouterr().out
+        (tmp_path / "bad.token").write_text("not-the-token")
+        status = main(["client", "--server", f"localhost:{port}", "--ca", str(out / "ca.pem"),
+                       "--id", "0", "--token-file", str(tmp_path / "bad.token"),
+                       "--data", str(out / "data" / "client_0.npz"), "--reconnect-s", "2"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert status == 2 and err[-1] == ("fedax: error: the server refused client 0: "
+                                           "refused: wrong token for client 0")
+    finally:
+        server.stop()
