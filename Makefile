@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,8 +42,16 @@ test: $(VENV)/.test-installed
 	  XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=AVX2" $(BIN)/pytest $(ISA_TESTS) -k "$(ISA_SKIP)"; \
 	fi
 
+$(VENV)/.docs-installed: pyproject.toml $(VENV)/.installed
+	$(PIP) install -e '.[docs]'
+	touch $@
+
+## docs: build the documentation site into site/ (mkdocs.yml; warnings are errors)
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs site .pytest_cache .ruff_cache
 
 # --- Benchmarks (benchmarks/README.md) ------------------------------------------------------
 # PyTorch and Flower are never dependencies of fedax: they live in their own venv, built on

@@ -22,9 +22,9 @@ round; TLS records, HTTP/2 and gRPC framing below that are not counted. ``comm_c
 broadcast model down, N x (update, weight, statistics) up. The ratio is the runtime's
 framing overhead (paths, dtypes, shapes, round ids, nonces, idle polls).
 
-Flower's deployment runtime (SuperLink + SuperNodes) beside it is not measured here yet: it
-needs the benchmark environment ``.venv-bench`` (``make bench-env``), see
-benchmarks/README.md.
+Flower's deployment runtime (SuperLink + SuperNodes) beside it, in the same run:
+``bench_flower_runtime.py`` (needs the benchmark environment ``.venv-bench``, ``make
+bench-env``; see benchmarks/README.md).
 """
 
 from __future__ import annotations

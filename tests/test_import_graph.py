@@ -10,7 +10,7 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 # Lowest first (docs/design.md, "Layers"); a layer may import only layers listed before it.
 LAYERS = ["federated", "data", "models", "client", "aggregators", "privacy", "algorithms",
-          "hyper", "simulation", "runtime", "experiments", "reproduce", "cli"]
+          "attacks", "hyper", "simulation", "runtime", "experiments", "reproduce", "cli"]
 SAME_LEVEL = [{"aggregators", "privacy"}, {"simulation", "runtime"}]
 
 

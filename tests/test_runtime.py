@@ -1,23 +1,31 @@
 """The networked runtime on loopback: a real gRPC server with TLS and client tokens, real
-clients (threads of this process, each with its own partition and state directory), the
-same round pieces as the simulator.
+clients (threads of this process, each with its own partition and state directory; in one
+test ``fedax client`` processes), the same round pieces as the simulator.
 
 Every server and client here stops by itself: servers run a fixed number of rounds and
 clients leave when the server says ``done``; every wait has a timeout."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+from fedax import aggregators
 from fedax.algorithms import CohortBatches, make
-from fedax.client import Batches
+from fedax.client import Batches, dp_local_train
 from fedax.data import synthetic
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.runtime import (
@@ -103,17 +111,18 @@ def join_all(threads, timeout=60.0):
     assert not any(th.is_alive() for th in threads), "a client did not stop by itself"
 
 
-def simulated(task, parts, rounds, cohorts=None):
+def simulated(task, parts, rounds, cohorts=None, aggregator=None, history_out=False):
     """The simulator's model after ``rounds`` rounds of ``task``, round t with the clients
     ``cohorts[t]`` (default: every client every round), each client's batches made as the
-    client makes them."""
+    client makes them; ``aggregator`` built here from ``fedax.aggregators`` (not from the
+    task's spec); ``history_out=True``: the simulator's ``History`` too."""
     model = get_model(task.model, **task.model_options)
 
     def loss_fn(params, batch):
         return softmax_cross_entropy(model.apply(params, batch.x), batch.y, batch.mask)
 
     algorithm = make(task.algorithm, loss_fn, num_clients=task.num_clients,
-                     client_lr=task.client_lr, **task.options)
+                     client_lr=task.client_lr, aggregator=aggregator, **task.options)
 
     def cohort(t):
         ids = range(len(parts)) if cohorts is None else cohorts[t]
@@ -126,7 +135,8 @@ def simulated(task, parts, rounds, cohorts=None):
     params = jax.jit(model.init)(jax.random.key(task.seed))
     history = simulate(algorithm, params, HostCohorts(cohort, task.num_clients), None,
                        rounds=rounds, seed=task.seed, execution=Execution("vmap", "scan", 1))
-    return algorithm.server_params(history.state)
+    params = algorithm.server_params(history.state)
+    return (params, history) if history_out else params
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
@@ -134,10 +144,9 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold", "fedadam"])
-def test_networked_run_equals_the_simulator(algorithm, pki, parts, tmp_path):
-    rounds = 3
-    task = make_task(algorithm)
+def networked(task, pki, parts, tmp_path, rounds):
+    """A server and NUM_CLIENTS client threads running ``task`` to the end, every client
+    in every round; returns the stopped server."""
     server, port = start_server(task, pki, rounds=rounds, cohort_size=NUM_CLIENTS,
                                 checkpoint_dir=str(tmp_path / "server"))
     try:
@@ -149,6 +158,14 @@ def test_networked_run_equals_the_simulator(algorithm, pki, parts, tmp_path):
         server.stop()
     for k in range(NUM_CLIENTS):
         assert results[k] == [(t, 0, True, "") for t in range(rounds)], results[k]
+    return server
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold", "fedadam"])
+def test_networked_run_equals_the_simulator(algorithm, pki, parts, tmp_path):
+    rounds = 3
+    task = make_task(algorithm)
+    server = networked(task, pki, parts, tmp_path, rounds)
     expected = simulated(task, parts, rounds)
     assert_trees_close(server.params, expected)
     # The model moved (the comparison is not between two initial models).
@@ -164,6 +181,182 @@ def test_networked_run_equals_the_simulator(algorithm, pki, parts, tmp_path):
         assert all((tmp_path / f"client{k}" / "client_state.msgpack").exists()
                    for k in range(NUM_CLIENTS))
         assert not (tmp_path / "server" / "client_state.msgpack").exists()
+
+
+def test_client_processes_equal_the_simulator(pki, parts, tmp_path):
+    """Server + 3 ``fedax client`` processes on loopback, each loading its own partition
+    from its own file and keeping SCAFFOLD's c_i in its own directory: the simulator's
+    model after 3 rounds."""
+    rounds, n = 3, 3
+    task = make_task("scaffold", num_clients=n)
+    server, port = start_server(task, pki, rounds=rounds, cohort_size=n)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + \
+        env.get("PYTHONPATH", "")
+    env["JAX_PLATFORMS"] = "cpu"
+    procs = []
+    try:
+        for k in range(n):
+            np.savez(tmp_path / f"client_{k}.npz", x=parts[k][0], y=parts[k][1])
+            (tmp_path / f"{k}.token").write_text(pki["tokens"][k])
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "fedax.cli.main", "client",
+                 "--server", f"127.0.0.1:{port}", "--ca", pki["ca"], "--id", str(k),
+                 "--token-file", str(tmp_path / f"{k}.token"),
+                 "--data", str(tmp_path / f"client_{k}.npz"),
+                 "--state-dir", str(tmp_path / f"client{k}"), "--reconnect-s", "20"],
+                stderr=subprocess.PIPE, text=True, env=env))
+        assert server.wait(60.0)
+        for k, proc in enumerate(procs):
+            _, err = proc.communicate(timeout=30)
+            assert proc.returncode == 0, err
+            assert f"fedax client {k}: done; {rounds} of {rounds} reports accepted" in err
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+        server.stop()
+    assert [(r["selected"], r["reported"]) for r in server.history] == [(n, n)] * rounds
+    assert_trees_close(server.params, simulated(task, parts[:n], rounds))
+    assert all((tmp_path / f"client{k}" / "client_state.msgpack").exists() for k in range(n))
+
+
+# DP-FedAvg over the network: the spec in the task, the oracle built here directly.
+S, Z = 0.05, 1.0  # S well below the updates' norms: every client is clipped
+DP_CASES = {
+    "dp_gaussian": (
+        {"kind": "dp_gaussian", "clip": S, "noise_multiplier": Z,
+         "expected_clients": NUM_CLIENTS},
+        lambda: aggregators.dp_gaussian(S, Z, NUM_CLIENTS)),
+    "dp_adaptive_gaussian": (  # z < 2·σ_b = 2·m/20
+        {"kind": "dp_adaptive_gaussian", "noise_multiplier": 0.5,
+         "expected_clients": NUM_CLIENTS, "initial_clip": S, "learning_rate": 0.5},
+        lambda: aggregators.dp_adaptive_gaussian(0.5, NUM_CLIENTS, initial_clip=S,
+                                                 learning_rate=0.5)),
+}
+
+
+@pytest.mark.parametrize("kind", list(DP_CASES))
+def test_dp_round_over_the_network_equals_the_simulators(kind, pki, parts, tmp_path):
+    """Clipping on each client with the aggregator state the server sent, the sum, noise
+    and the state update on the server from the round key: the simulator's DP round,
+    same seed, same noise, to float tolerance."""
+    rounds = 3
+    spec, make_aggregator = DP_CASES[kind]
+    task = make_task("fedavg", aggregator=spec)
+    assert Task.from_json(task.to_json()) == task  # the spec travels as JSON
+    server = networked(task, pki, parts, tmp_path, rounds)
+    expected, history = simulated(task, parts, rounds, aggregator=make_aggregator(),
+                                  history_out=True)
+    assert_trees_close(server.params, expected, rtol=1e-5)
+    # The server's round metrics are the simulator's (its per-round values).
+    assert len(history.records) == len(server.history) == rounds
+    for record, sim in zip(server.history, history.records, strict=True):
+        assert record["dp_noise_stddev"] == pytest.approx(sim["dp_noise_stddev"], rel=1e-5)
+        if kind == "dp_gaussian":  # every client was clipped, on its own machine
+            assert record["clipped_clients"] == NUM_CLIENTS == sim["clipped_clients"]
+        else:  # the clip the clients used moved with the server's state
+            assert record["clip_norm"] == pytest.approx(sim["clip_norm"], rel=1e-5)
+    if kind == "dp_adaptive_gaussian":
+        assert server.history[-1]["clip_norm"] != pytest.approx(S, rel=1e-3)
+
+
+def test_example_level_dp_sgd_over_the_network(pki, parts, tmp_path):
+    """Keyed client updates: each client runs DP-SGD with noise from its own secret key
+    (``state_dir/client_seed``, never sent); the model is FedAvg of exactly those local
+    DP-SGD runs, computed here with ``dp_local_train`` and each client's key."""
+    rounds, clip, z = 2, 0.5, 1.0
+    task = make_task("fedavg", example_privacy=[clip, z])
+    seeds = {k: 1000 + 17 * k for k in range(NUM_CLIENTS)}
+    for k, seed in seeds.items():
+        (tmp_path / f"client{k}").mkdir()
+        (tmp_path / f"client{k}" / "client_seed").write_text(str(seed))
+    server = networked(task, pki, parts, tmp_path, rounds)
+    model = get_model(task.model, **task.model_options)
+
+    def loss_fn(params, batch):
+        return softmax_cross_entropy(model.apply(params, batch.x), batch.y, batch.mask)
+
+    @jax.jit
+    def local(params, batches, key, noise):
+        result = dp_local_train(loss_fn, params, batches, optax.sgd(task.client_lr),
+                                l2_clip=clip, noise_multiplier=noise, key=key)
+        return jax.tree.map(jnp.subtract, params, result.params)
+
+    def oracle(noise):
+        params = jax.jit(model.init)(jax.random.key(task.seed))
+        for t in range(rounds):
+            total, weight = None, 0.0
+            for k in range(NUM_CLIENTS):
+                x, y, mask, n = local_batches(*parts[k], task.local_epochs, task.batch,
+                                              task.seed, t, k)
+                key = jax.random.fold_in(jax.random.key(seeds[k]), t)
+                delta = jax.tree.map(lambda d, n=n: d * n,
+                                     local(params, Batches(x, y, mask), key, noise))
+                total = delta if total is None else jax.tree.map(jnp.add, total, delta)
+                weight += float(n)
+            params = jax.tree.map(lambda p, d, w=weight: p - d / w, params, total)
+        return params
+
+    assert_trees_close(server.params, oracle(z), rtol=1e-4, atol=1e-5)
+    gap = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in
+              zip(jax.tree.leaves(oracle(0.0)), jax.tree.leaves(server.params), strict=True))
+    assert gap > 1e-3, gap  # the clients' noise is in the model
+
+
+def test_aggregator_specs(tmp_path, capsys):
+    """Every kind builds, the robust rules included; a bad spec fails at the task with a
+    message naming the fix (``fedax server init --aggregator`` too, before writing
+    anything); a task without a spec keeps its old JSON (and hash)."""
+    from fedax.cli.main import main
+
+    spec = '{"kind": "dp_gaussian", "clip": 0.5, "noise_multiplier": 1.0, "expected_clients": 2}'
+    assert main(["server", "init", str(tmp_path / "ok"), "--clients", "2",
+                 "--aggregator", spec]) == 0
+    written = Task.from_json((tmp_path / "ok" / "task.json").read_text())
+    assert written.aggregator == json.loads(spec)
+    assert main(["server", "init", str(tmp_path / "bad"), "--clients", "2",
+                 "--aggregator", '{"kind": "dp_gaussian", "clip": 0.5}']) == 2
+    assert "missing a required argument: 'noise_multiplier'" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+    assert "aggregator" not in make_task().to_json()
+    for spec in ({"kind": "mean"}, {"kind": "clip_norm", "clip": 1.0},
+                 {"kind": "dp_gaussian", "clip": 1, "noise_multiplier": 1, "denominator": 3.0,
+                  "weighting": "capped", "example_cap": 20},
+                 {"kind": "adaclip", "noise_multiplier": 0.5, "expected_clients": 6},
+                 {"kind": "robust", "rule": "median"},
+                 {"kind": "robust", "rule": "trimmed_mean", "beta": 0.2, "clip": 1.0}):
+        task = make_task(aggregator=spec)
+        assert Task.from_json(task.to_json()) == task
+    cases = {"unknown aggregator kind 'fancy'": {"kind": "fancy"},
+             "aggregator 'dp_gaussian'.*expected_clients": {"kind": "dp_gaussian", "clip": 1.0,
+                                                            "noise_multiplier": 1.0},
+             "dp_gaussian clip must be > 0": {"kind": "dp_gaussian", "clip": -1,
+                                              "noise_multiplier": 1.0, "expected_clients": 3},
+             "aggregator 'clip_norm'.*bound": {"kind": "clip_norm", "clip": 1.0, "bound": 2},
+             "unknown robust rule": {"kind": "robust", "rule": "mode"},
+             "must be": ["dp_gaussian"]}
+    for message, spec in cases.items():
+        with pytest.raises(ValueError, match=message):
+            make_task(aggregator=spec)
+    with pytest.raises(ValueError, match="the task's own field"):
+        make_task(options={"aggregator": "mean"})
+    with pytest.raises(ValueError, match=r"\[l2_clip, noise_multiplier\]"):
+        make_task(example_privacy=[1.0])
+    keyed = make_task(example_privacy=[1, 0.5])
+    assert keyed.example_privacy == [1.0, 0.5] and Task.from_json(keyed.to_json()) == keyed
+
+
+def test_robust_aggregator_over_the_network(pki, parts, tmp_path):
+    """A robust reduction (the clip on each client, the coordinate-wise median of the
+    reports on the server) gives the simulator's model."""
+    rounds, rule = 2, "median"
+    task = make_task("fedavg", aggregator={"kind": "robust", "rule": rule, "clip": 0.5})
+    server = networked(task, pki, parts, tmp_path, rounds)
+    expected = simulated(task, parts, rounds,
+                         aggregator=aggregators.robust(rule, clip=0.5))
+    assert_trees_close(server.params, expected)
 
 
 # ---------------------------------------------------------------------- security

@@ -24,3 +24,41 @@ from fedax.aggregators.dp import dp_gaussian, per_layer_clips  # noqa: E402
 
 __all__ += ["AdaClipState", "QuantileClipState", "adaclip", "adaclip_scale",
             "dp_adaptive_gaussian", "dp_gaussian", "per_layer_clips", "split_noise_multiplier"]
+
+# Robust reductions (Yin et al., Blanchard et al., Pillutla et al., Sun et al.).
+from fedax.aggregators.robust import (  # noqa: E402
+    ROBUST_RULES,
+    check_private_reduction,
+    geometric_median,
+    krum,
+    krum_scores,
+    median,
+    multi_krum,
+    norm_bounding,
+    private_robust,
+    robust,
+    trimmed_mean,
+)
+
+__all__ += ["ROBUST_RULES", "check_private_reduction", "geometric_median", "krum",
+            "krum_scores", "median", "multi_krum", "norm_bounding", "private_robust", "robust",
+            "trimmed_mean"]
+
+# Compressed uplink: encode on the client, decode on the server (QSGD, Suresh et al.'s
+# rotation, top-k, 16/8-bit casts); error feedback is fedax.algorithms.error_feedback.
+from fedax.aggregators.compression import (  # noqa: E402
+    SCHEMES,
+    Compressor,
+    cast,
+    compressed,
+    dp_compressed,
+    make_compressor,
+    message_bytes,
+    qsgd,
+    rotation,
+    roundtrip,
+    top_k,
+)
+
+__all__ += ["SCHEMES", "Compressor", "cast", "compressed", "dp_compressed", "make_compressor",
+            "message_bytes", "qsgd", "rotation", "roundtrip", "top_k"]

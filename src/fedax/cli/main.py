@@ -317,7 +317,7 @@ def cmd_run(args) -> int:
     print(dumps(strict_json({k: summary[k] for k in (
         "rounds_run", "final_test_accuracy", "best_test_accuracy", "rounds_to_target",
         "wall_time_s")})[0], indent=2))
-    print(f"outputs in {out}/ (metrics.jsonl, summary.json, accuracy.png)")
+    print(f"outputs in {out}/ (metrics.jsonl, summary.json, accuracy.png, tensorboard/)")
     return 0
 
 
@@ -674,6 +674,9 @@ def build_parser() -> argparse.ArgumentParser:
     from fedax.cli.runtime import add_commands as add_runtime_commands
 
     add_runtime_commands(sub, common)  # fedax server init|start|status, fedax client
+    from fedax.cli.compare import add_command as add_compare_command
+
+    add_compare_command(sub, common)  # fedax compare RUN_DIR...
     return parser
 
 

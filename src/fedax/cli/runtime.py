@@ -50,6 +50,21 @@ def _data_file(path: str | Path):
                          "with arrays x and y (fedax server init writes examples)") from None
 
 
+def _aggregator_spec(text: str | None):
+    if text is None:
+        return None
+    try:
+        spec = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"--aggregator is not JSON ({err}); e.g. --aggregator "
+                         "'{\"kind\": \"dp_gaussian\", \"clip\": 0.5, "
+                         "\"noise_multiplier\": 1.0, \"expected_clients\": 4}'") from None
+    from fedax.runtime.task import make_aggregator
+
+    make_aggregator(spec)  # a bad spec fails before anything is written
+    return spec
+
+
 @_one_line
 def cmd_server_init(args) -> int:
     """A CA, server certificate, tokens, registry, task.json and per-client data files."""
@@ -57,6 +72,7 @@ def cmd_server_init(args) -> int:
 
     from fedax.runtime import Task, make_dev_pki
 
+    aggregator = _aggregator_spec(args.aggregator)
     out = Path(args.dir)
     if (out / "registry.json").exists() and not args.overwrite:
         raise ValueError(f"{out} already holds a setup; pass --overwrite to replace it")
@@ -72,7 +88,8 @@ def cmd_server_init(args) -> int:
         x_test, y_test = test.x, test.y
         task = Task(args.algorithm or "fedavg", "logistic", args.clients, client_lr=0.05,
                     local_epochs=1, batch_size=10, seed=args.seed, input_shape=[60],
-                    model_options={"input_dim": 60, "num_classes": 10})
+                    model_options={"input_dim": 60, "num_classes": 10},
+                    aggregator=aggregator)
     else:
         from fedax.data import iid, load_mnist
 
@@ -81,7 +98,8 @@ def cmd_server_init(args) -> int:
         parts = [(data["x_train"][p], data["y_train"][p]) for p in split]
         x_test, y_test = data["x_test"], data["y_test"]
         task = Task(args.algorithm or "fedavg", "2nn", args.clients, client_lr=0.05,
-                    local_epochs=1, batch_size=10, seed=args.seed, input_shape=[28, 28, 1])
+                    local_epochs=1, batch_size=10, seed=args.seed, input_shape=[28, 28, 1],
+                    aggregator=aggregator)
     (out / "data").mkdir(exist_ok=True)
     for k, (x, y) in enumerate(parts):
         np.savez(out / "data" / f"client_{k}.npz", x=x.astype(np.float32), y=y.astype(np.int32))
@@ -192,6 +210,10 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
                       help="synthetic: Synthetic(1,1), logistic model; mnist: IID MNIST, 2NN "
                            "(needs fedax data fetch mnist)")
     init.add_argument("--algorithm", help="a registered algorithm (default fedavg)")
+    init.add_argument("--aggregator", help='the aggregator as JSON, e.g. \'{"kind": '
+                      '"dp_gaussian", "clip": 0.5, "noise_multiplier": 1.0, '
+                      '"expected_clients": 4}\' (default: the weighted mean; see '
+                      'docs/deployment.md)')
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--overwrite", action="store_true")
     init.set_defaults(func=cmd_server_init)

@@ -312,6 +312,122 @@ class PrivacyConfig(_Section):
         return self
 
 
+class CompressionConfig(_Section):
+    """A compressed uplink (``fedax.aggregators.compression``): each client encodes its
+    update, the server decodes and averages. ``scheme``: ``qsgd`` (Alistarh et al.; s =
+    ``levels`` per sign, ⌈log₂(2s+1)⌉ bits a coordinate, a norm per ``bucket_size``),
+    ``rotation`` (Suresh et al.; randomized Hadamard over ``block_size`` blocks + ``bits``-bit
+    stochastic quantization), ``top_k`` (the ``fraction`` of largest coordinates per leaf),
+    ``float16``, ``bfloat16`` or ``int8`` (per-bucket scale). ``error_feedback`` keeps each
+    client's residual as per-client state (deterministic schemes only). With ``privacy``
+    (mechanism ``gaussian``) each decoded message is clipped to ``privacy.clip`` again on the
+    server before the sum and the noise, which keeps the sensitivity (``dp_compressed``)."""
+
+    scheme: Literal["qsgd", "rotation", "top_k", "float16", "bfloat16", "int8"]
+    levels: int | None = Field(None, ge=1, le=2**15)  # qsgd
+    bits: int | None = Field(None, ge=1, le=16)  # rotation
+    fraction: Number | None = Field(None, gt=0, le=1)  # top_k
+    error_feedback: bool = False
+    bucket_size: int = Field(512, ge=1)  # qsgd, int8
+    block_size: int = Field(4096, ge=2)  # rotation
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CompressionConfig:
+        needs = {"qsgd": "levels", "rotation": "bits", "top_k": "fraction"}
+        for scheme, key in needs.items():
+            given = getattr(self, key) is not None
+            if self.scheme == scheme and not given:
+                raise _KeyedError(f"compression.{key}", f"scheme {scheme!r} needs {key}")
+            if self.scheme != scheme and given:
+                raise _KeyedError(f"compression.{key}", f"applies to scheme {scheme!r} only")
+        if self.error_feedback and self.scheme in ("qsgd", "rotation"):
+            raise _KeyedError("compression.error_feedback",
+                              f"applies to the deterministic schemes (top_k, float16, "
+                              f"bfloat16, int8); {self.scheme!r} is unbiased: omit it")
+        if self.block_size & (self.block_size - 1):
+            raise _KeyedError("compression.block_size",
+                              f"must be a power of 2, got {self.block_size}")
+        return self
+
+
+class RobustConfig(_Section):
+    """A robust aggregator (``fedax.aggregators.robust``, papers.md §9) instead of the
+    weighted mean: ``rule`` ``median`` or ``trimmed_mean`` (``beta``: ⌊β·n⌋ cut per end;
+    Yin et al.), ``krum`` (``byzantine`` f) or ``multi_krum`` (f and ``keep`` m; Blanchard
+    et al.), ``geometric_median`` (RFA's smoothed Weiszfeld, ``iterations``, ``smoothing``;
+    Pillutla et al.) or ``norm_bounding`` (clip to ``norm_bound`` M, then the mean, with
+    ``noise_stddev`` the "weak DP" noise; Sun et al.). ``clip``: clip each update to this
+    norm first (a client stage before the rule). With ``privacy`` it is an error: DP noise
+    needs a sum (see ``fedax.aggregators.check_private_reduction``)."""
+
+    rule: Literal["median", "trimmed_mean", "krum", "multi_krum", "geometric_median",
+                  "norm_bounding"]
+    beta: Number | None = Field(None, ge=0, lt=0.5)  # trimmed_mean
+    byzantine: int | None = Field(None, ge=0)  # krum, multi_krum
+    keep: int | None = Field(None, ge=1)  # multi_krum
+    norm_bound: Number | None = Field(None, gt=0, allow_inf_nan=False)  # norm_bounding
+    noise_stddev: Number | None = Field(None, ge=0, allow_inf_nan=False)  # norm_bounding
+    iterations: int | None = Field(None, ge=0)  # geometric_median (default 4)
+    smoothing: Number | None = Field(None, gt=0, allow_inf_nan=False)  # geometric_median
+    clip: Number | None = Field(None, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RobustConfig:
+        needs = {"trimmed_mean": ("beta",), "krum": ("byzantine",),
+                 "multi_krum": ("byzantine", "keep"), "norm_bounding": ("norm_bound",)}
+        optional = {"noise_stddev": ("norm_bounding",), "iterations": ("geometric_median",),
+                    "smoothing": ("geometric_median",)}
+        for key in ("beta", "byzantine", "keep", "norm_bound", *optional):
+            rules = [r for r, keys in needs.items() if key in keys] or list(optional[key])
+            given = getattr(self, key) is not None
+            if given and self.rule not in rules:
+                raise _KeyedError(f"robust.{key}",
+                                  f"applies to rule {' or '.join(map(repr, rules))} only")
+            if not given and key in needs.get(self.rule, ()):
+                raise _KeyedError(f"robust.{key}", f"rule {self.rule!r} needs {key}")
+        return self
+
+    def options(self) -> dict[str, Any]:
+        """The rule's keyword arguments for ``fedax.aggregators.robust``."""
+        names = {"beta": "beta", "byzantine": "byzantine", "keep": "keep",
+                 "norm_bound": "max_norm", "noise_stddev": "noise_stddev",
+                 "iterations": "iterations", "smoothing": "smoothing"}
+        return {names[k]: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+
+class AttackConfig(_Section):
+    """Simulated attackers (``fedax.attacks``, papers.md §9): a ``fraction`` of the
+    population, chosen by ``seed`` (default: the run's seed), misbehaves every round it is
+    sampled. ``kind``: ``label_flip`` (train on y' = K−1−y), ``backdoor`` (a fraction
+    ``poison_fraction`` of their examples carry a 4×4 trigger and label ``target``; with
+    ``scale``, the update is boosted by λ after projecting to ``project``; the records get
+    ``backdoor_success``), ``sign_flip`` (−μ of the honest updates), ``scaled`` (λ·Δ,
+    ``scale`` λ default: clients per round, ``project``), ``gaussian`` (N(0, ``stddev``²)),
+    ``alie`` (μ − zσ, ``z`` default Baruch et al.'s z_max) or ``ipm`` (−``epsilon``·μ)."""
+
+    kind: Literal["label_flip", "backdoor", "sign_flip", "scaled", "gaussian", "alie", "ipm"]
+    fraction: Number = Field(ge=0, lt=1)
+    seed: int | None = None
+    scale: Number | None = Field(None, allow_inf_nan=False)  # scaled, backdoor
+    project: Number | None = Field(None, gt=0, allow_inf_nan=False)  # scaled, backdoor
+    stddev: Number | None = Field(None, ge=0, allow_inf_nan=False)  # gaussian
+    z: Number | None = Field(None, allow_inf_nan=False)  # alie
+    epsilon: Number | None = Field(None, gt=0, allow_inf_nan=False)  # ipm
+    target: int | None = Field(None, ge=0)  # backdoor
+    poison_fraction: Number | None = Field(None, gt=0, le=1)  # backdoor
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AttackConfig:
+        applies = {"scale": ("scaled", "backdoor"), "project": ("scaled", "backdoor"),
+                   "stddev": ("gaussian",), "z": ("alie",), "epsilon": ("ipm",),
+                   "target": ("backdoor",), "poison_fraction": ("backdoor",)}
+        for key, kinds in applies.items():
+            if getattr(self, key) is not None and self.kind not in kinds:
+                raise _KeyedError(f"attack.{key}",
+                                  f"applies to kind {' or '.join(map(repr, kinds))} only")
+        return self
+
+
 class Config(_Section):
     """A validated experiment config (see the module docstring)."""
 
@@ -337,6 +453,9 @@ class Config(_Section):
     server: ServerConfig = ServerConfig()
     learned_lr: LearnedLRConfig = LearnedLRConfig()  # with server.lr: learned
     privacy: PrivacyConfig | None = None  # user-level DP (absent: none)
+    compression: CompressionConfig | None = None  # compressed uplink (absent: none)
+    robust: RobustConfig | None = None  # a robust aggregator (absent: the mean)
+    attack: AttackConfig | None = None  # simulated attackers (absent: none)
     # FedProx's stragglers: this fraction of each cohort runs U{1..E} epochs instead of E;
     # with drop_stragglers, those that ran fewer than E get weight 0 (FedAvg's treatment).
     stragglers: Number = Field(0.0, ge=0, le=1)
@@ -347,6 +466,9 @@ class Config(_Section):
     eval_every: int = Field(1, ge=1)
     target_accuracy: Number | None = Field(None, gt=0, le=1)
     stop_at_target: bool = False
+    # Also evaluate on each client's own test data (the data set's per-client test split, or
+    # the test set dealt by the partition) and record the distribution over clients.
+    per_client_eval: bool = False
     checkpoint_every: int = Field(0, ge=0)
     execution: ExecutionConfig = ExecutionConfig()
 
@@ -419,6 +541,51 @@ class Config(_Section):
             _resolve_server(info.data["algorithm"], value)
         return value
 
+
+    @field_validator("compression")
+    @classmethod
+    def _compression_with_privacy(cls, value: Any, info: ValidationInfo) -> Any:
+        privacy = info.data.get("privacy")
+        if value is not None and privacy is not None and privacy.level == "user" \
+                and privacy.mechanism != "gaussian":
+            raise ValueError(
+                f"composes with privacy.mechanism 'gaussian' only (the server clips each "
+                f"decoded message to the fixed clip S, which keeps the sensitivity), got "
+                f"{privacy.mechanism!r}; use mechanism gaussian or drop compression")
+        return value
+
+    @field_validator("robust")
+    @classmethod
+    def _robust_without_dp(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return value
+        privacy = info.data.get("privacy")
+        if privacy is not None and privacy.level == "user":
+            if value.rule == "norm_bounding":
+                raise _KeyedError("robust.rule", "user-level DP already bounds each update's "
+                                  "norm (its clip is Sun et al.'s M): set privacy.clip and "
+                                  "drop robust")
+            raise _KeyedError(
+                "robust.rule", f"rule {value.rule!r} cannot carry DP noise: noise calibrated "
+                "to the clip needs a sum (one client moves it by at most S), and a "
+                "median/trimmed mean/Krum/geometric median has no such bound; drop privacy "
+                "or robust")
+        if info.data.get("compression") is not None:
+            raise ValueError("robust and compression do not compose in a config; drop one")
+        return value
+
+    @field_validator("attack")
+    @classmethod
+    def _attack_fits_dataset(cls, value: Any, info: ValidationInfo) -> Any:
+        dataset = info.data.get("dataset")
+        if value is not None and value.kind == "backdoor" and dataset not in (
+                "mnist", "fashion_mnist"):
+            raise ValueError(f"kind 'backdoor' needs an image data set (mnist, "
+                             f"fashion_mnist), got dataset {dataset!r}")
+        if value is not None and value.kind == "label_flip" and dataset == "shakespeare":
+            raise ValueError("kind 'label_flip' needs class labels (mnist, fashion_mnist, "
+                             "synthetic), got dataset 'shakespeare'")
+        return value
 
     @field_validator("learned_lr")
     @classmethod
@@ -635,12 +802,20 @@ def load_config(path: str | PathLike[str], overrides: Iterable[str] = ()) -> Con
 def config_to_dict(config: Config) -> dict[str, Any]:
     """A JSON-serializable dict of ``config`` (B = inf as ``"inf"``); it validates back.
     ``learned_lr`` appears only with ``server.lr: learned`` (it applies only then), and
-    ``privacy`` only when given."""
+    ``privacy``, ``compression``, ``robust`` and ``attack`` only when given, and
+    ``per_client_eval`` only when on (configs written before it existed dump as before)."""
     data = config.model_dump(mode="json")
+    if not config.per_client_eval:
+        data.pop("per_client_eval")
     if config.server.lr != "learned":
         data.pop("learned_lr")
     if config.privacy is None:
         data.pop("privacy")
+    if config.compression is None:
+        data.pop("compression")
+    for section in ("robust", "attack"):
+        if getattr(config, section) is None:
+            data.pop(section)
     return data
 
 

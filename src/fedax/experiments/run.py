@@ -43,7 +43,15 @@ from fedax.experiments.config import (
     validate_config,
 )
 from fedax.models import get_model, softmax_cross_entropy
-from fedax.simulation import Execution, History, choose_execution, make_evaluator, run
+from fedax.simulation import (
+    Execution,
+    History,
+    choose_execution,
+    make_evaluator,
+    rounds_to_target,
+    run,
+)
+from fedax.simulation.evaluation import client_index, make_client_evaluator
 from fedax.simulation.sources import HoldoutSource, PartitionSource
 
 # A directory holding any of these holds a run (``checkpoints`` is a directory).
@@ -170,7 +178,11 @@ def privacy_plan(config: Config, num_clients: int,
                 f"config key 'privacy.target_epsilon': one round at noise_multiplier {z:g} "
                 f"already spends epsilon {ledger.epsilon_after(1):.3g} > "
                 f"{p.target_epsilon:g}; raise the noise or the budget")
-    if p.mechanism == "gaussian":
+    if p.mechanism == "gaussian" and config.compression is not None:
+        # Decode, clip each decoded message to S again, sum, noise (keeps the sensitivity).
+        aggregator = aggregators.dp_compressed(compressor(config), p.clip, z, m,
+                                               per_layer=p.per_layer)
+    elif p.mechanism == "gaussian":
         aggregator = aggregators.dp_gaussian(p.clip, z, m, per_layer=p.per_layer)
     elif p.mechanism == "adaptive":
         aggregator = aggregators.dp_adaptive_gaussian(
@@ -180,6 +192,19 @@ def privacy_plan(config: Config, num_clients: int,
         aggregator = aggregators.adaclip(z, m, initial_clip=p.clip or 0.1,
                                          clip_budget=p.clip if p.pin_scale else None)
     return PrivacyPlan(aggregator, float(z), q, m, ledger, rounds)
+
+
+def compressor(config: Config) -> Any:
+    """The ``compression:`` section's compressor (None without one); ``rotation`` is seeded
+    with the run's seed."""
+    c = config.compression
+    if c is None:
+        return None
+    from fedax.aggregators import make_compressor
+
+    return make_compressor(c.scheme, levels=c.levels, bits=c.bits, fraction=c.fraction,
+                           bucket_size=c.bucket_size, block_size=c.block_size,
+                           seed=config.seed)
 
 
 def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
@@ -204,12 +229,25 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
                if k in Config.model_fields}
     server = resolved_server_optimizer(config)
     hyperparameters = dict(server.hyperparameters)
+    code = compressor(config)
+    if code is not None and aggregator is None:  # (a DP plan's aggregator compresses itself)
+        from fedax.aggregators import compressed
+
+        aggregator = compressed(code)
+    elif code is not None and (config.privacy is None or config.privacy.level != "user"):
+        raise ConfigError("config key 'compression': cannot compress under the given "
+                          "aggregator (compression builds its own; with DP, privacy.mechanism "
+                          "gaussian); drop one of the two")
     algorithm = make_algorithm(config.algorithm, loss_fn,
                                num_clients=num_clients or config.num_clients,
                                client_lr=config.client_lr, server_optimizer=server.name,
                                server_lr=hyperparameters.pop("lr"), **hyperparameters,
                                aggregator=aggregator, example_privacy=example_privacy,
                                **options)
+    if code is not None and config.compression.error_feedback:
+        from fedax.algorithms.error_feedback import error_feedback
+
+        algorithm = error_feedback(algorithm, code, num_clients or config.num_clients)
     if config.server.lr != "learned":
         return algorithm
     # η lives in the server optimizer's state; it is learned on holdout clients' loss.
@@ -299,6 +337,69 @@ def accuracy_figure(curves: dict[str, History], target: float | None = None,
     ax.legend()
     fig.tight_layout()
     return fig
+
+
+def client_distribution_figure(records: list[dict[str, Any]], target: float | None = None,
+                               title: str | None = None):
+    """The clients' test accuracy over rounds (``per_client_eval`` records): the median,
+    the 25-75 and 10-90 percentile bands, the mean of the worst 10% of clients, and the
+    global accuracy; every evaluation is a point, rounds are integers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    rows = [r for r in records if all(isinstance(r.get(f"client_accuracy_{k}"), (int, float))
+                                      for k in ("p10", "p25", "p50", "p75", "p90", "worst10"))]
+    rounds = [r["round"] for r in rows]
+
+    def column(key):
+        return [r.get(key) if isinstance(r.get(key), (int, float)) else math.nan for r in rows]
+
+    fig, ax = plt.subplots(figsize=(6.5, 5))
+    ax.fill_between(rounds, column("client_accuracy_p10"), column("client_accuracy_p90"),
+                    alpha=0.15, color="C0", label="clients, 10th-90th percentile")
+    ax.fill_between(rounds, column("client_accuracy_p25"), column("client_accuracy_p75"),
+                    alpha=0.3, color="C0", label="clients, 25th-75th percentile")
+    marker = "." if len(rows) < 30 else None
+    ax.plot(rounds, column("client_accuracy_p50"), color="C0", marker=marker,
+            label="median client")
+    ax.plot(rounds, column("client_accuracy_worst10"), color="C3", marker=marker,
+            label="worst 10% of clients (mean)")
+    ax.plot(rounds, column("test_accuracy"), color="k", linestyle="--", linewidth=1,
+            label="global test accuracy")
+    if target is not None:
+        ax.axhline(target, color="gray", linestyle=":", linewidth=0.8, label=f"target {target}")
+    ax.set_xlabel("communication rounds")
+    ax.set_ylabel("test accuracy on the client's own data")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(max(0.0, min(column("client_accuracy_p10") + [1.0]) - 0.05), 1.0)
+    ax.set_title(title or "per-client test accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def plot_client_distribution(records: list[dict[str, Any]], path: Path,
+                             target: float | None = None, title: str | None = None) -> None:
+    """Writes ``client_distribution_figure(records, target, title)`` as a PNG, atomically."""
+    save_figure(client_distribution_figure(records, target, title), path)
+
+
+def save_figure(fig, path: Path) -> None:
+    """Writes a matplotlib figure as a PNG (120 dpi), atomically, and closes it."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", dpi=120)
+    finally:
+        plt.close(fig)
+    write_atomic(path, buffer.getvalue())
 
 
 def plot_curves(curves: dict[str, History], path: Path, target: float | None = None,
@@ -411,6 +512,8 @@ class FederatedData(NamedTuple):
     x_test: np.ndarray
     y_test: np.ndarray
     model_kwargs: dict[str, Any]
+    # [N_test] int: the client of each test example (-1: none), with per_client_eval
+    test_clients: np.ndarray | None = None
 
 
 def _linear_kwargs(config: Config, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
@@ -425,8 +528,12 @@ def _image_data(config: Config) -> FederatedData:
     train = fdata.ClientData.from_partition(
         arrays["x_train"], arrays["y_train"], partition(config, arrays["y_train"])
     )
+    # Each client's test data: the test set dealt by the same partitioner (same seed).
+    test_clients = None if not config.per_client_eval else client_index(
+        partition(config, arrays["y_test"]), len(arrays["y_test"]))
     return FederatedData(train, arrays["x_test"], arrays["y_test"],
-                         _linear_kwargs(config, arrays["x_train"], arrays["y_train"]))
+                         _linear_kwargs(config, arrays["x_train"], arrays["y_train"]),
+                         test_clients)
 
 
 def _synthetic_data(config: Config) -> FederatedData:
@@ -435,7 +542,11 @@ def _synthetic_data(config: Config) -> FederatedData:
     options = config.synthetic
     train, test = fdata.synthetic(options.alpha, options.beta, config.num_clients,
                                   seed=config.seed, iid=options.iid)
-    return FederatedData(train, test.x, test.y, _linear_kwargs(config, train.x, train.y))
+    test_clients = None if not config.per_client_eval else client_index(
+        [test.indices[a:b] for a, b in zip(test.offsets[:-1], test.offsets[1:], strict=True)],
+        len(test.y))
+    return FederatedData(train, test.x, test.y, _linear_kwargs(config, train.x, train.y),
+                         test_clients)
 
 
 # The parsed data of the last options used (a reproduction runs many cells on the same data).
@@ -451,8 +562,11 @@ def _shakespeare_data(config: Config) -> FederatedData:
         max_clients=options.max_clients, sample=options.sample, seed=config.seed)
     train = fdata.ClientData.from_partition(arrays["x_train"], arrays["y_train"],
                                             arrays["train_partition"])
+    # Each role's own test lines (with partition: iid too: the roles' lines are theirs).
+    test_clients = None if not config.per_client_eval else client_index(
+        arrays["test_partition"], len(arrays["y_test"]))
     return FederatedData(train, arrays["x_test"], arrays["y_test"],
-                         {"vocab_size": int(arrays["vocab_size"])})
+                         {"vocab_size": int(arrays["vocab_size"])}, test_clients)
 
 
 # config.dataset -> builder. A data set whose labels are [N, T] (sequences) is trained and
@@ -476,12 +590,89 @@ def build_data(config: Config) -> FederatedData:
 # those checkpoints still resume.
 _LATER_KEYS = {"synthetic": SyntheticConfig().model_dump(mode="json"),
                "shakespeare": ShakespeareConfig().model_dump(mode="json"),
-               "stragglers": 0.0, "drop_stragglers": False, "max_rejected_fraction": 0.5}
+               "stragglers": 0.0, "drop_stragglers": False, "max_rejected_fraction": 0.5,
+               "per_client_eval": False}
 
 
 def _fingerprint(config: Config) -> dict[str, Any]:
     return {k: v for k, v in config_to_dict(config).items()
             if k != "checkpoint_every" and not (k in _LATER_KEYS and v == _LATER_KEYS[k])}
+
+
+class AttackPlan(NamedTuple):
+    """``config.attack`` made concrete: the data the clients train on (the attackers' part
+    corrupted for a data-level attack), the update-level adversary (or None), the
+    attackers' population ids, and the backdoor's test set (triggered inputs, target
+    labels) or None."""
+
+    data: FederatedData
+    adversary: Any
+    attackers: np.ndarray
+    backdoor: tuple[np.ndarray, np.ndarray] | None
+
+    def summary(self) -> dict[str, Any]:
+        return {"num_attackers": len(self.attackers),
+                "attackers": [int(k) for k in self.attackers]}
+
+
+def attack_plan(config: Config, data: FederatedData) -> AttackPlan | None:
+    """The attack of ``config.attack`` on ``data`` (None without one); attackers are drawn
+    with ``attack.seed`` (default: the run's seed)."""
+    a = config.attack
+    if a is None:
+        return None
+    import dataclasses
+
+    from fedax import attacks
+
+    train = data.train
+    num = train.num_clients
+    seed = config.seed if a.seed is None else a.seed
+    bad = attacks.choose_attackers(num, float(a.fraction), seed)
+    parts = [train.client_indices(k) for k in range(num)]
+    adversary, backdoor = None, None
+    if a.kind == "label_flip":
+        classes = int(max(np.max(train.y), np.max(data.y_test))) + 1
+        train = dataclasses.replace(train, y=attacks.flip_labels(train.y, parts, bad, classes))
+    elif a.kind == "backdoor":
+        target = 0 if a.target is None else a.target
+        x, y = attacks.poison_backdoor(train.x, train.y, parts, bad, target,
+                                       a.poison_fraction or 0.5, seed)
+        train = dataclasses.replace(train, x=x, y=y)
+        backdoor = attacks.backdoor_test_set(data.x_test, data.y_test, target)
+        if a.scale is not None or a.project is not None:  # boosted (model replacement)
+            adversary = attacks.scaled(bad, num, factor=a.scale, project=a.project)
+    else:
+        options = {"sign_flip": {}, "scaled": {"factor": a.scale, "project": a.project},
+                   "gaussian": {"stddev": a.stddev}, "alie": {"z": a.z},
+                   "ipm": {"epsilon": a.epsilon}}[a.kind]
+        keep_none = {"factor", "project", "z"}  # None means the paper's default there
+        adversary = attacks.UPDATE_ATTACKS[a.kind](
+            bad, num, **{k: v for k, v in options.items() if v is not None or k in keep_none})
+    return AttackPlan(data._replace(train=train), adversary, bad, backdoor)
+
+
+def robust_aggregator(config: Config) -> Any:
+    """The aggregator of ``config.robust`` (None without one: the weighted mean)."""
+    if config.robust is None:
+        return None
+    from fedax import aggregators
+
+    return aggregators.robust(config.robust.rule, clip=config.robust.clip,
+                              **config.robust.options())
+
+
+def _with_backdoor(evaluate, backdoor):
+    """``evaluate`` plus ``backdoor_success``: the accuracy on the triggered test inputs
+    labelled with the target (the backdoor's success rate)."""
+
+    def both(params):
+        result = evaluate(params)
+        if not isinstance(result, dict):
+            result = {"test_accuracy": result[0], "test_loss": result[1]}
+        return {**result, "backdoor_success": backdoor(params)[0]}
+
+    return both
 
 
 def run_experiment(
@@ -492,8 +683,11 @@ def run_experiment(
     label: str | None = None,
     resume: bool = False,
     title: str | None = None,
+    tensorboard: bool = True,
 ) -> dict[str, Any]:
-    """Run ``config`` and write ``metrics.jsonl``, ``summary.json`` and ``accuracy.png``.
+    """Run ``config`` and write ``metrics.jsonl``, ``summary.json`` and ``accuracy.png``
+    (with ``per_client_eval``, also ``client_accuracy.png``), and with ``tensorboard`` the
+    TensorBoard event files of every record into ``tensorboard/``.
 
     With ``resume``, continue from the newest valid checkpoint in ``out_dir/checkpoints``
     (the config must be the same, ``checkpoint_every`` aside; else ``CheckpointError``, and
@@ -505,6 +699,9 @@ def run_experiment(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = build_data(config)
+    attack = attack_plan(config, data)
+    if attack is not None:
+        data = attack.data
     train = data.train
     check_against_data(config, train.sizes)
     model = get_model(config.model, **data.model_kwargs)
@@ -514,16 +711,28 @@ def run_experiment(
     plan = privacy_plan(config, train.num_clients, train.sizes)
     algorithm = build_algorithm(config, model.apply, sequence=data.y_test.ndim > 1,
                                 num_clients=train.num_clients,
-                                aggregator=None if plan is None else plan.aggregator,
+                                aggregator=robust_aggregator(config) if plan is None
+                                else plan.aggregator,
                                 example_privacy=None if plan is None else plan.example_privacy)
-    evaluate = make_evaluator(model.apply, data.x_test, data.y_test)
+    if data.test_clients is not None:
+        evaluate = make_client_evaluator(model.apply, data.x_test, data.y_test,
+                                         data.test_clients, target=config.target_accuracy,
+                                         num_clients=train.num_clients)
+    else:
+        evaluate = make_evaluator(model.apply, data.x_test, data.y_test)
+    if attack is not None:
+        from fedax.attacks import attacked
+
+        algorithm = attacked(algorithm, attack.adversary, train.num_clients)
+        if attack.backdoor is not None:
+            evaluate = _with_backdoor(evaluate, make_evaluator(model.apply, *attack.backdoor))
     execution: Execution = choose_execution(
         config.execution.strategy, config.execution.local_steps, config.execution.devices,
         params=params,
     )
 
     def replace_earlier_outputs() -> None:
-        for name in ("summary.json", "accuracy.png"):
+        for name in ("summary.json", "accuracy.png", "client_accuracy.png"):
             (out / name).unlink(missing_ok=True)
         if not config.checkpoint_every:  # else the runner has already replaced them
             from fedax.simulation.checkpoint import remove_checkpoints
@@ -531,6 +740,14 @@ def run_experiment(
             remove_checkpoints(out / "checkpoints")
 
     writer = JsonlWriter(out / "metrics.jsonl", on_start=replace_earlier_outputs)
+    callbacks: list[Any] = [writer]
+    round_callbacks: list[Any] = []
+    if tensorboard:  # after the writer: its on_start replaces earlier outputs first
+        from fedax.simulation.tensorboard import TensorBoardLogger
+
+        board = TensorBoardLogger(out / "tensorboard")
+        callbacks.append(board)
+        round_callbacks.append(board.on_round)
     label = label or config.algorithm
     title = title or label or out.name
     started = time.perf_counter()
@@ -554,7 +771,8 @@ def run_experiment(
             target_accuracy=config.target_accuracy,
             stop_at_target=config.stop_at_target,
             execution=execution,
-            callbacks=[writer],
+            callbacks=callbacks,
+            round_callbacks=round_callbacks,
             progress=progress,
             checkpoint_dir=out / "checkpoints",
             checkpoint_every=config.checkpoint_every,
@@ -574,8 +792,13 @@ def run_experiment(
                        error=str(err))
         write_outputs(out, summary, writer.records, label, title)
         raise
+    finally:
+        for callback in callbacks:
+            getattr(callback, "close", lambda: None)()
     summary = summarize(config, history.records, time.perf_counter() - started, execution,
                         resumed_from=history.resumed_from, plan=plan)
+    if attack is not None:
+        summary["attack"] = attack.summary()
     write_outputs(out, summary, history.records, label, title)
     return summary
 
@@ -589,6 +812,16 @@ def summarize(config: Config, records: list[dict[str, Any]], wall: float, execut
     accs = history.column("test_accuracy")
     target = config.target_accuracy
     reached = history.rounds_to_target(target) if target is not None and accs else None
+    per_client = {}
+    worst = [r for r in history.records if isinstance(r.get("client_accuracy_worst10"), float)]
+    if worst:  # per_client_eval: the target read on the worst decile's curve too
+        worst_reached = None if target is None else rounds_to_target(
+            [r["round"] for r in worst], [r["client_accuracy_worst10"] for r in worst], target)
+        per_client = {
+            "final_client_accuracy": {k: v for k, v in worst[-1].items()
+                                      if k.startswith("client_accuracy")},
+            "rounds_to_target_worst10": None if worst_reached is None
+                                        else round(worst_reached, 1)}
     return {
         "config": config_to_dict(config),
         "seed": config.seed,
@@ -610,6 +843,7 @@ def summarize(config: Config, records: list[dict[str, Any]], wall: float, execut
         # ε spent by the rounds run, z, q, the accountant and sampling it assumes
         "privacy": None if plan is None else plan.summary(
             config, records[-1]["round"] if records else 0),
+        **per_client,
     }
 
 
@@ -631,6 +865,9 @@ def write_outputs(out: Path, summary: dict[str, Any], records: list[dict[str, An
     if records:
         plot_curves({label: History(list(records))}, out / "accuracy.png",
                     summary["target_accuracy"], title=title)
+    if any("client_accuracy_p10" in r for r in records):
+        plot_client_distribution(records, out / "client_accuracy.png",
+                                 summary["target_accuracy"], title=f"{title}: per client")
 
 
 def fmt_rounds(value: float | None) -> str:

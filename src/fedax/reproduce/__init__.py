@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from fedax.reproduce.compression_paper import COMPRESSION
 from fedax.reproduce.dp_paper import ADAPTIVE_CLIPPING, DP_FEDAVG_MNIST
 from fedax.reproduce.fad_client_weights import CLIENT_WEIGHTS
 from fedax.reproduce.fad_server_lr import SERVER_LR
 from fedax.reproduce.fedavg_paper import MNIST_2NN, MNIST_CNN, SHAKESPEARE
+from fedax.reproduce.fedbuff_paper import FEDBUFF
 from fedax.reproduce.fedopt_paper import FEDOPT_FASHION
 from fedax.reproduce.fedprox_paper import FEDPROX_SYNTHETIC
 from fedax.reproduce.framework import (
@@ -25,13 +27,15 @@ from fedax.reproduce.framework import (
     save_results,
 )
 from fedax.reproduce.framework import reproduce as reproduce_experiment
+from fedax.reproduce.robust_paper import ROBUST_AGGREGATION
 from fedax.reproduce.scaffold_paper import SCAFFOLD_MNIST
 
 # Each module defines its experiments; add new ones to this tuple.
 EXPERIMENTS: dict[str, Experiment | CustomExperiment] = {
     e.name: e for e in (MNIST_2NN, MNIST_CNN, SHAKESPEARE, SERVER_LR, CLIENT_WEIGHTS,
                         SCAFFOLD_MNIST, FEDPROX_SYNTHETIC, FEDOPT_FASHION,
-                        ADAPTIVE_CLIPPING, DP_FEDAVG_MNIST)
+                        ADAPTIVE_CLIPPING, DP_FEDAVG_MNIST, COMPRESSION, ROBUST_AGGREGATION,
+                        FEDBUFF)
 }
 
 

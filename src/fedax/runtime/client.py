@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -198,6 +199,7 @@ class Client:
         self.stop = stop or threading.Event()
         self.rounds: list[tuple[int, int, bool, str]] = []  # (round, attempt, accepted, why)
         self._conn: Connection | None = None
+        self._seed: int | None = None  # the secret training seed (keyed client updates)
 
     # ---------------------------------------------------------------- state files
 
@@ -241,16 +243,24 @@ class Client:
                      self.config.client_id, *mine)
 
     def _train_key(self, t: int):
-        """The client's own training key for round t (keyed client updates): from a secret
-        seed kept in ``state_dir``."""
+        """The client's own training key for round t (keyed client updates, e.g.
+        example-level DP-SGD's noise): ``fold_in(key(seed), t)`` with a secret seed drawn
+        from the OS once and kept in ``state_dir/client_seed`` (without a ``state_dir``, in
+        this object's memory only). It never leaves the client."""
         import jax
 
-        d = Path(self.config.state_dir or ".")
-        seed_path = d / "client_seed"
-        if not seed_path.exists():
-            d.mkdir(parents=True, exist_ok=True)
-            seed_path.write_text(str(int.from_bytes(np.random.bytes(4), "little")))
-        key = jax.random.fold_in(jax.random.key(int(seed_path.read_text())), t)
+        if self._seed is None:
+            fresh = int.from_bytes(os.urandom(4), "little")
+            if self.config.state_dir is None:
+                self._seed = fresh
+            else:
+                d = Path(self.config.state_dir)
+                seed_path = d / "client_seed"
+                if not seed_path.exists():
+                    d.mkdir(parents=True, exist_ok=True)
+                    seed_path.write_text(str(fresh))
+                self._seed = int(seed_path.read_text())
+        key = jax.random.fold_in(jax.random.key(self._seed), t)
         return np.asarray(jax.random.key_data(key))
 
     # ----------------------------------------------------------------------- loop

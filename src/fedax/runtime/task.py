@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 from typing import Any, NamedTuple
@@ -59,6 +60,15 @@ class Task:
         server checks reports against shapes it derives from it.
       options: the algorithm's other keyword arguments (``mu``, ``server_optimizer``,
         ``server_lr``, ``weighting``, ...).
+      aggregator: how the server combines the updates, as ``{"kind": ..., **arguments}``
+        (``make_aggregator``: ``mean``, ``clip_norm``, ``dp_gaussian``,
+        ``dp_adaptive_gaussian``, ``adaclip``, ``robust``); None: the algorithm's own (the
+        weighted mean). Its client stage (clipping) runs on each client, its reduction and
+        server stage (noise) on the server.
+      example_privacy: ``[l2_clip, noise_multiplier]``: each client trains with
+        example-level DP-SGD (FedAvg, FedProx, the FedOpt names), its noise drawn from the
+        client's own secret key (its seed kept in its ``state_dir``, never sent); None:
+        plain local SGD.
     """
 
     algorithm: str
@@ -71,6 +81,8 @@ class Task:
     input_shape: list[int] = dataclasses.field(default_factory=lambda: [784])
     model_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    aggregator: dict[str, Any] | None = None
+    example_privacy: list[float] | None = None
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -83,9 +95,26 @@ class Task:
                                          or self.batch_size < 1):
             raise ValueError(f"batch_size must be a positive int or 'inf', got "
                              f"{self.batch_size!r}")
+        for name in ("aggregator", "example_privacy"):
+            if name in self.options:
+                raise ValueError(f"give {name!r} as the task's own field, not in options")
+        if self.aggregator is not None:
+            make_aggregator(self.aggregator)  # a bad spec fails here, naming the fix
+        if self.example_privacy is not None:
+            privacy = self.example_privacy
+            if (not isinstance(privacy, list | tuple) or len(privacy) != 2
+                    or not all(isinstance(v, int | float) and not isinstance(v, bool)
+                               for v in privacy)):
+                raise ValueError("example_privacy must be [l2_clip, noise_multiplier], got "
+                                 f"{privacy!r}")
+            object.__setattr__(self, "example_privacy", [float(v) for v in privacy])
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        data = dataclasses.asdict(self)
+        for name in ("aggregator", "example_privacy"):  # absent when unused, so a task
+            if data[name] is None:  # without them keeps its hash (and its checkpoints)
+                del data[name]
+        return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> Task:
@@ -101,6 +130,80 @@ class Task:
     @property
     def batch(self) -> float:
         return math.inf if self.batch_size == "inf" else int(self.batch_size)
+
+
+# ----------------------------------------------------------------------- aggregators
+
+
+def _aggregator_kinds() -> dict[str, Any]:
+    from fedax import aggregators
+
+    def dp_gaussian(clip, noise_multiplier, expected_clients=None, *, denominator=None,
+                    per_layer=False, weighting="uniform", example_cap=None):
+        if (expected_clients is None) == (denominator is None):
+            raise TypeError("give exactly one of expected_clients (uniform weights) and "
+                            "denominator (the fixed q·W)")
+        d = expected_clients if denominator is None else denominator
+        return aggregators.dp_gaussian(clip, noise_multiplier, d, per_layer=per_layer,
+                                       weighting=weighting, example_cap=example_cap)
+
+    def clip_norm(clip):
+        return aggregators.chain(aggregators.clip_norm(clip), aggregators.mean())
+
+    kinds = {
+        "mean": aggregators.mean,
+        "clip_norm": clip_norm,
+        "dp_gaussian": dp_gaussian,
+        "dp_adaptive_gaussian": aggregators.dp_adaptive_gaussian,
+        "adaclip": aggregators.adaclip,
+    }
+    robust = getattr(aggregators, "robust", None)  # the robust rules, where installed
+    if robust is not None:
+        kinds["robust"] = robust
+    return kinds
+
+
+def make_aggregator(spec: dict[str, Any] | None) -> Any:
+    """The ``fedax.aggregators`` aggregator a task's ``aggregator`` names (None: None, the
+    algorithm's default). ``spec`` is ``{"kind": KIND, **arguments}``:
+
+    * ``mean``: the weighted mean (FedAvg's);
+    * ``clip_norm`` (``clip``): clip each update on its client, then the weighted mean;
+    * ``dp_gaussian`` (``clip``, ``noise_multiplier``, ``expected_clients`` or
+      ``denominator``; ``per_layer``, ``weighting``, ``example_cap``): DP-FedAvg with a
+      fixed clip (``aggregators.dp_gaussian``);
+    * ``dp_adaptive_gaussian`` (``noise_multiplier``, ``expected_clients``;
+      ``initial_clip``, ``target_quantile``, ``learning_rate``, ``clipped_count_stddev``,
+      ``geometric``): DP-FedAvg with the quantile-tracking clip;
+    * ``adaclip`` (``noise_multiplier``, ``expected_clients``, ...): AdaCliP;
+    * ``robust`` (``rule``, ``clip``, the rule's own arguments): ``aggregators.robust``
+      (median, trimmed_mean, krum, multi_krum, geometric_median, norm_bounding).
+
+    Names and numbers only, looked up here: no code comes with a task.
+    """
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str):
+        raise ValueError(f'aggregator must be {{"kind": NAME, ...arguments}}, got {spec!r}')
+    kinds = _aggregator_kinds()
+    kind = spec["kind"]
+    if kind not in kinds:
+        raise ValueError(f"unknown aggregator kind {kind!r}; allowed: "
+                         f"{', '.join(sorted(kinds))}")
+    arguments = {k: v for k, v in spec.items() if k != "kind"}
+    factory = kinds[kind]
+    signature = inspect.signature(factory)
+    try:
+        signature.bind(**arguments)
+    except TypeError as err:
+        names = [p.name for p in signature.parameters.values()
+                 if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        raise ValueError(f"aggregator {kind!r}: {err}; its arguments: "
+                         f"{', '.join(names)}") from None
+    try:
+        return factory(**arguments)
+    except TypeError as err:
+        raise ValueError(f"aggregator {kind!r}: {err}") from None
 
 
 class Built(NamedTuple):
@@ -119,8 +222,11 @@ def build(task: Task) -> Built:
     def loss_fn(params, batch: Batches):
         return softmax_cross_entropy(model.apply(params, batch.x), batch.y, batch.mask)
 
+    privacy = None if task.example_privacy is None else tuple(task.example_privacy)
     algorithm = ALGORITHMS[task.algorithm](loss_fn, num_clients=task.num_clients,
-                                           client_lr=task.client_lr, **task.options)
+                                           client_lr=task.client_lr,
+                                           aggregator=make_aggregator(task.aggregator),
+                                           example_privacy=privacy, **task.options)
     if algorithm.pieces is None:
         raise ValueError(f"algorithm {task.algorithm!r} is not a composition of round "
                          "pieces; the runtime runs pieces only")

@@ -1,6 +1,16 @@
 """Simulation: cohorts, compiled rounds, evaluation, rounds to target, checkpoints."""
 
 from fedax.data import VirtualPopulation, sample_cohort  # re-exported: they live in data
+from fedax.simulation.asynchronous import (  # FedBuff, FedAsync, sync on a virtual clock
+    AsyncConfig,
+    AsyncHistory,
+    Latency,
+    Staleness,
+    fedasync,
+    fedbuff,
+    run_async,
+    run_synchronous,
+)
 from fedax.simulation.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -11,6 +21,7 @@ from fedax.simulation.checkpoint import (
 )
 from fedax.simulation.client_state import ClientStateStore
 from fedax.simulation.cohorts import cohort_batches
+from fedax.simulation.evaluation import ClientScores, make_client_evaluator
 from fedax.simulation.execution import Execution, choose_execution, use_execution
 from fedax.simulation.population import run_population
 from fedax.simulation.runner import (
@@ -31,9 +42,18 @@ from fedax.simulation.sources import (
 from fedax.simulation.stragglers import drop_stragglers, straggler_epochs
 
 __all__ = [
+    "AsyncConfig",
+    "AsyncHistory",
+    "Latency",
+    "Staleness",
+    "fedasync",
+    "fedbuff",
+    "run_async",
+    "run_synchronous",
     "Checkpoint",
     "CheckpointError",
     "CheckpointWarning",
+    "ClientScores",
     "ClientStateStore",
     "CohortSource",
     "HostCohorts",
@@ -50,6 +70,7 @@ __all__ = [
     "drop_stragglers",
     "latest_checkpoint",
     "load_checkpoint",
+    "make_client_evaluator",
     "make_evaluator",
     "rounds_to_target",
     "run",
