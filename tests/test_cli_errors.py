@@ -174,12 +174,11 @@ def test_any_other_failure_is_one_line_and_debug_shows_the_traceback(tiny, monke
         assert "Traceback" in err and err.strip().splitlines()[-1].startswith("fedax: error:")
 
 
-def _uncached_env() -> dict[str, str]:
-    """The child's environment without the suite's persistent compilation cache: a run
-    interrupted while JAX writes a cache entry can hang in the cache's writer (seen only
-    from a fresh clone, with a cold cache); a user's run has no cache unless they set one."""
-    return {k: v for k, v in _child_env().items() if not k.startswith(
-        ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+def _terminal_sigint() -> None:
+    """In the child before exec: SIGINT at its default, as a terminal's foreground job has
+    it. A job started in the background by a non-interactive shell (``cmd &``) inherits
+    SIGINT ignored, and Python then leaves it ignored: its Ctrl-C would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize("strategy,every", [("sequential", 1), ("processes", 1),
@@ -193,8 +192,8 @@ def test_ctrl_c_stops_quietly_and_says_how_to_continue(tmp_path, strategy, every
         [sys.executable, "-m", "fedax.cli.main", "run", "tiny.yaml", "--out", "run",
          "--no-progress", "--set", "rounds=1000000", "--set", f"checkpoint_every={every}",
          "--set", f"execution.strategy={strategy}"],
-        cwd=tmp_path, env=_uncached_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True)
+        cwd=tmp_path, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True, preexec_fn=_terminal_sigint)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
