@@ -9,8 +9,7 @@ from docs_runner import ROOT, DocsError, blocks, example_of, run_page
 
 PAGES = sorted((ROOT / "docs").rglob("*.md"))
 # Pages whose authors are still writing them: they join the runner once marked.
-PENDING = {"deployment.md": "written concurrently by the networked-runtime work (issue 16); "
-                            "its commands start servers: mark them for the runner"}
+PENDING: dict[str, str] = {}
 
 
 @pytest.fixture
