@@ -8,8 +8,6 @@ import pytest
 from docs_runner import ROOT, DocsError, blocks, example_of, run_page
 
 PAGES = sorted((ROOT / "docs").rglob("*.md"))
-# Pages whose authors are still writing them: they join the runner once marked.
-PENDING: dict[str, str] = {}
 
 
 @pytest.fixture
@@ -23,8 +21,6 @@ def workdir(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT / "docs")) for p in PAGES])
 def test_every_code_block_of_the_page_runs(page, workdir):
-    if page.name in PENDING:
-        pytest.skip(PENDING[page.name])
     ran = run_page(page, workdir)
     if page.name == "results.md":
         check_the_results_page(ran, workdir)

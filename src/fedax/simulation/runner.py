@@ -197,6 +197,18 @@ def _on_every_device(tree: Any, mesh) -> Any:
     return jax.lax.with_sharding_constraint(tree, jax.sharding.NamedSharding(mesh, spec))
 
 
+def check_schedule(eval_every: int, checkpoint_every: int, resume: bool,
+                   checkpoint_dir: Any) -> None:
+    """The evaluation and checkpoint settings every runner takes (``ValueError`` naming the
+    bad one)."""
+    if eval_every < 1:
+        raise ValueError(f"eval_every must be >= 1, got {eval_every}.")
+    if checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}.")
+    if (checkpoint_every or resume) and checkpoint_dir is None:
+        raise ValueError("checkpoint_every > 0 and resume=True need a checkpoint_dir.")
+
+
 def _maybe_mesh(mesh):
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
@@ -339,12 +351,7 @@ def run(
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}.")
-    if eval_every < 1:
-        raise ValueError(f"eval_every must be >= 1, got {eval_every}.")
-    if checkpoint_every < 0:
-        raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}.")
-    if (checkpoint_every or resume) and checkpoint_dir is None:
-        raise ValueError("checkpoint_every > 0 and resume=True need a checkpoint_dir.")
+    check_schedule(eval_every, checkpoint_every, resume, checkpoint_dir)
     if not 0.0 <= max_rejected_fraction <= 1.0:
         raise ValueError(
             f"max_rejected_fraction must be in [0, 1], got {max_rejected_fraction}.")

@@ -87,6 +87,7 @@ from fedax.simulation.runner import (
     DivergenceError,
     History,
     RunInterrupted,
+    check_schedule,
     round_metrics,
     rounds_to_target,
     run,
@@ -322,12 +323,7 @@ def run_async(
     pieces = _check_pieces(algorithm, config)
     if server_updates < 1:
         raise ValueError(f"server_updates must be >= 1, got {server_updates}.")
-    if eval_every < 1:
-        raise ValueError(f"eval_every must be >= 1, got {eval_every}.")
-    if checkpoint_every < 0:
-        raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}.")
-    if (checkpoint_every or resume) and checkpoint_dir is None:
-        raise ValueError("checkpoint_every > 0 and resume=True need a checkpoint_dir.")
+    check_schedule(eval_every, checkpoint_every, resume, checkpoint_dir)
     if not isinstance(source, PartitionSource):
         raise ValueError("run_async needs a PartitionSource (its rounds are the blocks of "
                          f"trips), got {type(source).__name__}.")
