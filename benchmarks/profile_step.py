@@ -2,6 +2,11 @@
 
     taskset -c 0 python benchmarks/profile_step.py cnn --steps 30 --json out.json
     taskset -c 0 python benchmarks/profile_step.py 2nn --steps 60
+    python benchmarks/profile_step.py char_lstm --steps 10       # the Shakespeare LSTM
+
+``char_lstm`` is the Shakespeare model of ``fedax reproduce fedavg-shakespeare`` (98
+symbols, two LSTM layers of 256) on B = 10 random sequences of 80 characters, with the
+per-token cross-entropy the runner trains it with.
 
 One client's W local steps (B = 10, SGD, ``fedax.client.local_train``) compiled as the
 runner compiles them (``compiler_options``), run once untraced to time the step, then under
@@ -97,8 +102,9 @@ def origin(rest: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", choices=common.MODELS)
+    parser.add_argument("model", choices=[*common.MODELS, "char_lstm"])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=common.BATCH_SIZE, help="B (W: 10)")
     parser.add_argument("--reps", type=int, default=3, help="profiled runs of the steps")
     parser.add_argument("--top", type=int, default=15, help="operations listed")
     parser.add_argument("--peak", type=float, default=None,
@@ -114,19 +120,31 @@ def main(argv=None) -> int:
     from jax.profiler import ProfileData
 
     from fedax.client import Batches, local_train
-    from fedax.models import get_model, softmax_cross_entropy
+    from fedax.models import char_lstm, get_model, softmax_cross_entropy
+    from fedax.models.losses import token_cross_entropy
     from fedax.simulation.host import compiler_options
 
     peak = args.peak or common.measure_matmul_peak(threads=1)["flops"] / 1e9
-    model = get_model(args.model)
     keys = jax.random.split(jax.random.key(common.SEED), 3)
-    x = jax.random.uniform(keys[0], (args.steps, common.BATCH_SIZE, 28, 28, 1))
-    y = jax.random.randint(keys[1], (args.steps, common.BATCH_SIZE), 0, 10)
-    batches = Batches(x, y, jnp.ones((args.steps, common.BATCH_SIZE)))
-    params = jax.jit(model.init)(keys[2])
+    if args.model == "char_lstm":
+        from fedax.data.shakespeare import VOCAB_SIZE
 
-    def loss(p, b):
-        return softmax_cross_entropy(model.apply(p, b.x), b.y, b.mask)
+        model = char_lstm(VOCAB_SIZE)
+        shape = (args.steps, args.batch, 80)  # the paper's 80-character samples
+        x = jax.random.randint(keys[0], shape, 1, VOCAB_SIZE)
+        y = jax.random.randint(keys[1], shape, 1, VOCAB_SIZE)
+
+        def loss(p, b):
+            return token_cross_entropy(model.apply(p, b.x), b.y, b.mask)
+    else:
+        model = get_model(args.model)
+        x = jax.random.uniform(keys[0], (args.steps, args.batch, 28, 28, 1))
+        y = jax.random.randint(keys[1], (args.steps, args.batch), 0, 10)
+
+        def loss(p, b):
+            return softmax_cross_entropy(model.apply(p, b.x), b.y, b.mask)
+    batches = Batches(x, y, jnp.ones((args.steps, args.batch)))
+    params = jax.jit(model.init)(keys[2])
 
     train = jax.jit(lambda p, b: local_train(loss, p, b, optax.sgd(common.CLIENT_LR)).params,
                     compiler_options=compiler_options())

@@ -154,6 +154,53 @@ def test_derivatives_match_plain_autodiff(peephole):
     _close(got[3], expected[3], 1e-4)
 
 
+@pytest.mark.parametrize("peephole", [False, True])
+def test_float64_forward_and_derivatives_match_references(peephole):
+    """In float64 the fused-gate cell and the custom derivative rule agree with the NumPy
+    recurrence (forward) and with autodiff of the plain scan (gradient, directional
+    derivative, Hessian-vector product) to rounding, not merely to float32 tolerance: they
+    compute the same function, only regrouped (sigmoid(v) = (1 + tanh(v/2)) / 2)."""
+    with jax.enable_x64(True):
+        model, params, x = _tiny(peephole)
+        params = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params)
+        np.testing.assert_allclose(model.apply(params, x), _numpy_lstm(params, x, 2, peephole),
+                                   rtol=1e-12, atol=1e-13)
+        y = jax.random.randint(jax.random.key(9), x.shape, 1, 7)
+
+        def fast(p):
+            return token_cross_entropy(model.apply(p, x), y)
+
+        def naive(p):
+            return token_cross_entropy(_naive_apply(p, x, 2), y)
+
+        tangent = jax.tree.map(lambda a: jax.random.normal(jax.random.key(3), a.shape, a.dtype),
+                               params)
+        for f_fast, f_naive in ((jax.grad(fast), jax.grad(naive)),
+                                (lambda p: jax.jvp(fast, (p,), (tangent,))[1],
+                                 lambda p: jax.jvp(naive, (p,), (tangent,))[1]),
+                                (lambda p: jax.jvp(jax.grad(fast), (p,), (tangent,))[1],
+                                 lambda p: jax.jvp(jax.grad(naive), (p,), (tangent,))[1])):
+            got, expected = jax.jit(f_fast)(params), jax.jit(f_naive)(params)
+            jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-10, atol=1e-12),
+                         got, expected)
+
+
+def test_paper_sized_step_matches_plain_autodiff_in_float32():
+    """The Shakespeare model's shapes (98 symbols, E = 8, two layers; H = 64 and T = 40 to
+    stay fast): loss and gradient of the fast LSTM equal autodiff of the plain scan to
+    float32 tolerance."""
+    model = char_lstm(98, hidden=64)
+    params = model.init(jax.random.key(1))
+    x = jax.random.randint(jax.random.key(2), (10, 40), 1, 98)
+    y = jax.random.randint(jax.random.key(3), (10, 40), 1, 98)
+    fast = jax.jit(jax.value_and_grad(lambda p: token_cross_entropy(model.apply(p, x), y)))
+    naive = jax.jit(jax.value_and_grad(
+        lambda p: token_cross_entropy(_naive_apply(p, x, 2), y)))
+    (v1, g1), (v2, g2) = fast(params), naive(params)
+    np.testing.assert_allclose(v1, v2, rtol=1e-6)
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=2e-4, atol=2e-6), g1, g2)
+
+
 def test_vmap_over_clients_with_their_own_params():
     model, params, x = _tiny(False)
     y = jax.random.randint(jax.random.key(9), x.shape, 1, 7)

@@ -52,10 +52,16 @@ from fedax.simulation import (
     run,
 )
 from fedax.simulation.evaluation import client_index, make_client_evaluator
+from fedax.simulation.host import preferred_cpu_dots
 from fedax.simulation.sources import HoldoutSource, PartitionSource
 
 # A directory holding any of these holds a run (``checkpoints`` is a directory).
 RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")
+
+# XLA:CPU product kernels per model where fedax measured one faster than its default
+# (``fedax.simulation.host.compiler_options``): the char-LSTM's small in-loop products
+# run about 10% faster with YNNPACK's (benchmarks/bench_lstm.py, fedax vs fedax-ynn).
+_MODEL_CPU_DOTS = {"char_lstm": "ynn"}
 
 _DATASETS: dict[str, Any] = {}
 
@@ -759,31 +765,32 @@ def run_experiment(
         cohort_size = len(fdata.sample_clients(0, train.num_clients, config.client_fraction))
         source = HoldoutSource(source, config.learned_lr.holdout_clients or cohort_size)
     try:
-        history = run(
-            algorithm,
-            params,
-            source,
-            evaluate,
-            # A privacy budget ends the run before the round that would exceed it.
-            rounds=config.rounds if plan is None else plan.rounds,
-            seed=config.seed,
-            eval_every=config.eval_every,
-            target_accuracy=config.target_accuracy,
-            stop_at_target=config.stop_at_target,
-            execution=execution,
-            callbacks=callbacks,
-            round_callbacks=round_callbacks,
-            progress=progress,
-            checkpoint_dir=out / "checkpoints",
-            checkpoint_every=config.checkpoint_every,
-            resume=resume,
-            # The algorithm, model and data choices the runner cannot see. How often to save
-            # does not change the run, so a resumed run may save more or less often.
-            fingerprint=_fingerprint(config),
-            record_fields=None if plan is None else (
-                lambda t: {"epsilon": _finite_or_none(plan.ledger.epsilon_after(t))}),
-            max_rejected_fraction=config.max_rejected_fraction,
-        )
+        with preferred_cpu_dots(_MODEL_CPU_DOTS.get(config.model)):
+            history = run(
+                algorithm,
+                params,
+                source,
+                evaluate,
+                # A privacy budget ends the run before the round that would exceed it.
+                rounds=config.rounds if plan is None else plan.rounds,
+                seed=config.seed,
+                eval_every=config.eval_every,
+                target_accuracy=config.target_accuracy,
+                stop_at_target=config.stop_at_target,
+                execution=execution,
+                callbacks=callbacks,
+                round_callbacks=round_callbacks,
+                progress=progress,
+                checkpoint_dir=out / "checkpoints",
+                checkpoint_every=config.checkpoint_every,
+                resume=resume,
+                # The algorithm, model and data choices the runner cannot see. How often to save
+                # does not change the run, so a resumed run may save more or less often.
+                fingerprint=_fingerprint(config),
+                record_fields=None if plan is None else (
+                    lambda t: {"epsilon": _finite_or_none(plan.ledger.epsilon_after(t))}),
+                max_rejected_fraction=config.max_rejected_fraction,
+            )
     except FloatingPointError as err:
         writer.start()
         summary = summarize(config, writer.records, time.perf_counter() - started, execution,

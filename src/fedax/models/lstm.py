@@ -23,8 +23,12 @@ The paper's 866,578 parameters (E = 8, H = 256, L = 2) are matched exactly by th
 LSTM with V = 258: ``char_lstm(258, peephole=True)`` (the standard LSTM then has 865,042).
 With the 98-character table of ``fedax.data.shakespeare`` the standard model has 822,642.
 
-Speed: the input projection ``x W_x + b`` of all time steps is one matmul outside the
-``lax.scan``, so each (time-major) step does only ``h W_h`` with the four gates fused.
+Speed (``benchmarks/bench_lstm.py``, ``benchmarks/profile_step.py char_lstm``): the input
+projection ``x W_x + b`` of all time steps is one matmul outside the ``lax.scan``, so each
+(time-major) step does only ``h W_h`` and the gates, which are one ``tanh`` over the fused
+``[..., 4H]`` block. A custom JVP rule keeps the backward pass's weight-gradient products out
+of the loop (one matmul per layer and sequence) and leaves its loop one product with
+``W_h^T`` and a few fused element-wise operations per step.
 
 Initialization (the Keras defaults; the paper does not state its own): embedding U(-0.05,
 0.05), ``W_x`` and the output kernel Glorot uniform, ``W_h`` orthogonal, biases zero except
@@ -60,19 +64,36 @@ def _lstm_layer_init(key: jax.Array, fan_in: int, hidden: int, peephole: bool) -
 def _cell(z: jax.Array, c_prev: jax.Array, peep: jax.Array | None):
     """One LSTM step from the fused pre-activations ``z`` ``[..., 4H]`` (the module's equations).
 
+    The three sigmoids and the tanh of the gates are one ``tanh`` over the whole contiguous
+    ``[..., 4H]`` block, ``sigmoid(v) = (1 + tanh(v / 2)) / 2``: XLA:CPU vectorizes one
+    transcendental over a contiguous block but not four over slices of it, which made the
+    gates 5x slower than the step's product (measured, B = 10, H = 256). Without peepholes
+    ``o`` is in the same block; with them ``o`` waits for ``c``.
+
     Returns ``h``, ``c`` and the activations ``(i, f, g, o, tanh(c))`` (for derivatives).
     """
-    z_i, z_f, z_g, z_o = jnp.split(z, 4, axis=-1)
-    if peep is not None:
-        z_i = z_i + peep[0] * c_prev
-        z_f = z_f + peep[1] * c_prev
-    i, f, g = jax.nn.sigmoid(z_i), jax.nn.sigmoid(z_f), jnp.tanh(z_g)
-    c = f * c_prev + i * g
-    if peep is not None:
-        z_o = z_o + peep[2] * c
-    o = jax.nn.sigmoid(z_o)
+    hidden = c_prev.shape[-1]
+    if peep is None:
+        t = jnp.tanh(z * _gate_scale(hidden, 4, z.dtype))
+        i, f, g, o = jnp.split(t, 4, axis=-1)
+        i, f, o = 0.5 * i + 0.5, 0.5 * f + 0.5, 0.5 * o + 0.5
+        c = f * c_prev + i * g
+    else:
+        peeped = jnp.concatenate([peep[0] * c_prev, peep[1] * c_prev], axis=-1)
+        z_if = z[..., : 2 * hidden] + peeped
+        t = jnp.tanh(jnp.concatenate([z_if, z[..., 2 * hidden : 3 * hidden]], axis=-1)
+                     * _gate_scale(hidden, 3, z.dtype))
+        i, f, g = jnp.split(t, 3, axis=-1)
+        i, f = 0.5 * i + 0.5, 0.5 * f + 0.5
+        c = f * c_prev + i * g
+        o = 0.5 * jnp.tanh(0.5 * (z[..., 3 * hidden :] + peep[2] * c)) + 0.5
     tanh_c = jnp.tanh(c)
     return o * tanh_c, c, (i, f, g, o, tanh_c)
+
+
+def _gate_scale(hidden: int, gates: int, dtype) -> jax.Array:
+    """``[1/2 (i), 1/2 (f), 1 (g), 1/2 (o)][:gates]``, each repeated ``hidden`` times."""
+    return jnp.repeat(jnp.asarray([0.5, 0.5, 1.0, 0.5][:gates], dtype), hidden)
 
 
 def _zero_state(projected: jax.Array, hidden: int) -> jax.Array:
@@ -109,17 +130,20 @@ def _recurrence_jvp(primals, tangents):
     dw_h, dpeep, dprojected = tangents
     hidden = w_h.shape[0]
 
+    # The primal scan keeps one [..., 6H] row per step, (z, h, c): one store per step. The
+    # activations and the tangent coefficients are then computed for all steps at once.
     def step(carry, z_x):
         h, c = carry
-        h, c, acts = _cell(z_x + h @ w_h, c, peep)
-        return (h, c), (h, c, acts)
+        z = z_x + h @ w_h
+        h, c, _ = _cell(z, c, peep)
+        return (h, c), jnp.concatenate([z, h, c], axis=-1)
 
     zeros = _zero_state(projected, hidden)
-    _, (hs, cs, (i, f, g, o, tanh_c)) = jax.lax.scan(
-        step, (zeros, zeros), projected, unroll=_SCAN_UNROLL
-    )
+    _, rows = jax.lax.scan(step, (zeros, zeros), projected, unroll=_SCAN_UNROLL)
+    zs, hs, cs = jnp.split(rows, [4 * hidden, 5 * hidden], axis=-1)
     h_prev = jnp.concatenate([zeros[None], hs[:-1]])
     c_prev = jnp.concatenate([zeros[None], cs[:-1]])
+    _, _, (i, f, g, o, tanh_c) = _cell(zs, c_prev, peep)
 
     # Tangent terms independent of the tangent state, for all steps at once.
     a = dprojected + h_prev @ dw_h
@@ -129,25 +153,42 @@ def _recurrence_jvp(primals, tangents):
             [a_i + dpeep[0] * c_prev, a_f + dpeep[1] * c_prev, a_g, a_o + dpeep[2] * cs],
             axis=-1,
         )
-    coeffs = (i * (1 - i), f * (1 - f), 1 - g * g, o * (1 - o))
+    # The tangent state's recurrence, with the sigmoid and tanh derivatives s(1 - s) and
+    # 1 - g^2 and the peepholes folded into coefficients computed here for all steps:
+    #   u = dz * [k_i, k_f, k_g, k_o];  dc_t = u_i + u_f + u_g + f' dc_{t-1};
+    #   dh_t = u_o + k_c' dc_t
+    # (with peepholes dz_i, dz_f gain p_i dc_{t-1}, p_f dc_{t-1} and dz_o gains p_o dc_t, so
+    # f' = f + k_i p_i + k_f p_f and k_c' = k_c + k_o p_o). The coefficients enter the scan
+    # as they are: reverse mode linearizes the tangent scan, and any operation on known
+    # values inside its body (even a split) would become a second scan storing its results;
+    # one product and two sums per step keep its transpose to few XLA fusions per step.
+    k_i, k_f, k_o = i * (1 - i) * g, f * (1 - f) * c_prev, o * (1 - o) * tanh_c
+    gains = jnp.concatenate([k_i, k_f, i * (1 - g * g), k_o], axis=-1)
+    carry_gain, out_gain = f, o * (1 - tanh_c * tanh_c)
+    if peep is not None:
+        carry_gain = carry_gain + k_i * peep[0] + k_f * peep[1]
+        out_gain = out_gain + k_o * peep[2]
+
+    # dh W_h as a product with W_h^T (made once, outside the scan) contracted on its second
+    # axis: reverse mode runs this scan's transpose, whose per-step product is then
+    # cotangent @ W_h^T read row-major. Written as dh @ W_h, its transpose contracts W_h on
+    # its minor axis inside the loop, which XLA:CPU ran 2-4x slower (measured, B = 10).
+    w_h_t = w_h.T
+    contract_last = (((hs.ndim - 2,), (1,)), ((), ()))
 
     def tangent_step(carry, xs):
         dh, dc = carry
-        a_t, (s_i, s_f, s_g, s_o), i_t, f_t, g_t, o_t, tanh_t, c_prev_t = xs
-        dz_i, dz_f, dz_g, dz_o = jnp.split(a_t + dh @ w_h, 4, axis=-1)
-        if peep is not None:
-            dz_i = dz_i + peep[0] * dc
-            dz_f = dz_f + peep[1] * dc
-        dc = (s_f * dz_f) * c_prev_t + f_t * dc + (s_i * dz_i) * g_t + i_t * (s_g * dz_g)
-        if peep is not None:
-            dz_o = dz_o + peep[2] * dc
-        dh = (s_o * dz_o) * tanh_t + o_t * (1 - tanh_t * tanh_t) * dc
+        a_t, gains_t, carry_t, out_t = xs
+        u = (a_t + jax.lax.dot_general(dh, w_h_t, contract_last)) * gains_t
+        u_i, u_f, u_g, u_o = jnp.split(u, 4, axis=-1)
+        dc = u_i + u_f + u_g + carry_t * dc
+        dh = u_o + out_t * dc
         return (dh, dc), dh
 
     _, dhs = jax.lax.scan(
         tangent_step,
         (jnp.zeros_like(zeros), jnp.zeros_like(zeros)),
-        (a, coeffs, i, f, g, o, tanh_c, c_prev),
+        (a, gains, carry_gain, out_gain),
         unroll=_SCAN_UNROLL,
     )
     return hs, dhs

@@ -3,7 +3,10 @@ strategies and the ``processes`` workers (a leaf module: it imports nothing of f
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator
 
 import jax
 
@@ -19,20 +22,40 @@ def usable_cores() -> list[int]:
 CPU_DOTS = ("eigen", "ynn")
 
 
+_PREFERRED_CPU_DOTS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "fedax_preferred_cpu_dots", default=None)
+
+
+@contextlib.contextmanager
+def preferred_cpu_dots(dots: str | None) -> Iterator[None]:
+    """Within the block, rounds compiled on CPU use ``dots`` (one of :data:`CPU_DOTS`; None:
+    fedax's default) unless ``$FEDAX_CPU_DOTS`` says otherwise. The experiments layer sets
+    it per model where it measured a difference."""
+    if dots is not None and dots not in CPU_DOTS:
+        raise ValueError(f"dots={dots!r} is not one of {CPU_DOTS}.")
+    token = _PREFERRED_CPU_DOTS.set(dots)
+    try:
+        yield
+    finally:
+        _PREFERRED_CPU_DOTS.reset(token)
+
+
 def compiler_options(backend: str | None = None) -> dict[str, str] | None:
     """XLA compiler options for a compiled round on ``backend`` (default: JAX's default).
 
     On CPU, matrix products are left to XLA's own (Eigen) kernels instead of YNNPACK's,
     which XLA:CPU picks by default; YNNPACK keeps its reduction fusions. Measured on a
     2-core AVX2 machine (``benchmarks/bench_cpu_dots.py``): the MNIST CNN's local step
-    ran faster with Eigen products, the 2NN's about the same. Numbers differ from YNNPACK
-    products only in float rounding. ``$FEDAX_CPU_DOTS=ynn`` restores XLA's default
-    (``eigen`` is the default). None on other backends.
+    ran faster with Eigen products, the 2NN's about the same; the char-LSTM's step about
+    10% slower (``benchmarks/bench_lstm.py``: its in-loop ``[B, H] x [H, 4H]`` products),
+    so :func:`preferred_cpu_dots` selects YNNPACK for it. Numbers differ between the two
+    only in float rounding. ``$FEDAX_CPU_DOTS`` (``eigen`` or ``ynn``) overrides both.
+    None on other backends.
     """
     backend = backend or jax.default_backend()
     if backend != "cpu":
         return None
-    dots = os.environ.get("FEDAX_CPU_DOTS", "eigen")
+    dots = os.environ.get("FEDAX_CPU_DOTS") or _PREFERRED_CPU_DOTS.get() or "eigen"
     if dots not in CPU_DOTS:
         raise ValueError(f"FEDAX_CPU_DOTS={dots!r} is not one of {CPU_DOTS}.")
     if dots == "ynn":
