@@ -72,14 +72,18 @@ $(BENCH_VENV)/.installed: pyproject.toml
 	$(BENCH_PIP) install --upgrade pip
 	$(BENCH_PIP) install '$(BENCH_TORCH)'
 	$(BENCH_PIP) install '$(BENCH_TORCH)' 'flwr[simulation]' psutil threadpoolctl
+	# pfl 0.6.0 pins dp-accounting<0.6 (pip downgrades it to 0.5.1); the next step puts back
+	# fedax's dp-accounting 0.6 (pip then reports pfl's pin as a conflict). pfl's own
+	# accountants are unused here, and they import with 0.6.
+	$(BENCH_PIP) install '$(BENCH_TORCH)' 'pfl[pytorch]==0.6.0'
 	$(BENCH_PIP) install '$(BENCH_TORCH)' -e .
-	$(BENCH_BIN)/python -c "import torch, flwr, ray, fedax; print('bench env: torch', torch.__version__, 'flwr', flwr.__version__, 'ray', ray.__version__)"
+	$(BENCH_BIN)/python -c "import torch, flwr, ray, pfl, fedax; print('bench env: torch', torch.__version__, 'flwr', flwr.__version__, 'ray', ray.__version__, 'pfl', pfl.__version__)"
 	touch $@
 
-## bench-env: build .venv-bench (torch CPU, flwr[simulation], psutil, threadpoolctl, fedax)
+## bench-env: build .venv-bench (torch CPU, flwr[simulation], pfl[pytorch], psutil, threadpoolctl, fedax)
 bench-env: $(BENCH_VENV)/.installed
 
-## bench: fedax vs PyTorch vs Flower vs the FLOP/s limit, 2NN and CNN -> benchmarks/results/
+## bench: fedax vs PyTorch vs Flower vs pfl vs the FLOP/s limit, 2NN and CNN -> benchmarks/results/
 bench: $(BENCH_VENV)/.installed
 	$(BENCH_BIN)/python benchmarks/compare.py 2nn --rounds $(BENCH_ROUNDS_2NN)
 	$(BENCH_BIN)/python benchmarks/compare.py cnn --rounds $(BENCH_ROUNDS_CNN)

@@ -1,4 +1,4 @@
-"""fedax vs a hand-written PyTorch loop vs Flower vs the FLOP/s limit, on workload W.
+"""fedax vs a hand-written PyTorch loop vs Flower vs pfl vs the FLOP/s limit, on workload W.
 
     python benchmarks/compare.py 2nn                 # results -> benchmarks/results/
     python benchmarks/compare.py cnn --rounds 4 --passes 2
@@ -112,8 +112,20 @@ def flower_configs() -> list[dict]:
     ]
 
 
+def pfl_configs() -> list[dict]:
+    """Apple's pfl-research (PyTorch backend): one process with one intra-op thread per core
+    (as pytorch's first row), and pfl's multi-process simulation with one single-threaded
+    process per core (torch.distributed, gloo) where there are 2 or more cores."""
+    cores = common.num_cores()
+    out = [{"args": ["--procs", "1", "--threads", str(cores)],
+            "label": f"1 proc x {cores} thread" + ("s" if cores > 1 else "")}]
+    if cores > 1:
+        out.append({"args": ["--procs", "2", "--threads", "1"], "label": "2 procs x 1 thread"})
+    return [{"implementation": "pfl", "script": "bench_pfl.py", **c} for c in out]
+
+
 def interleave(groups: list[list[dict]]) -> list[dict]:
-    """Round-robin over the implementations: fedax, pytorch, flower, fedax, ..."""
+    """Round-robin over the implementations: fedax, pytorch, flower, pfl, fedax, ..."""
     out, i = [], 0
     while any(i < len(g) for g in groups):
         out += [g[i] for g in groups if i < len(g)]
@@ -194,7 +206,12 @@ def summary_markdown(out_dir: Path) -> str:
         "a round, E = 5, B = 10 (300 SGD steps per client, 30,000 examples a round), client "
         "SGD lr 0.05, n_k-weighted averaging. Medians over undisturbed rounds after a warm-up; "
         "'x fedax' is s/round divided by fedax's default configuration's (> 1: slower than "
-        "fedax). How to read and rerun: `benchmarks/README.md`.\n",
+        "fedax). Configurations: fedax's execution strategy (`map:steps:devices`); pytorch, a "
+        "hand-written loop (`P procs x T threads`); flower, Flower's Ray simulation engine "
+        "(`c cpu/client`); pfl, Apple's pfl-research with its PyTorch backend (`P procs x T "
+        "threads`, 2 procs: pfl's multi-process simulation over torch.distributed); all "
+        "but fedax train the same PyTorch model. How to read and rerun: "
+        "`benchmarks/README.md`.\n",
     ]
     for model in common.MODELS:
         files = sorted(out_dir.glob(f"{model}_*.json"))
@@ -223,7 +240,7 @@ def main(argv=None) -> int:
                              f"(default {DEFAULT_ROUNDS})")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up rounds per run")
     parser.add_argument("--passes", type=int, default=2)
-    parser.add_argument("--only", default="fedax,pytorch,flower",
+    parser.add_argument("--only", default="fedax,pytorch,flower,pfl",
                         help="comma-separated implementations to run")
     parser.add_argument("--fedax-strategies", default=None,
                         help="comma-separated MAP:STEPS:DEVICES or default (default: all)")
@@ -244,7 +261,7 @@ def main(argv=None) -> int:
     passes = max(1, min(args.passes, total_rounds))
     per_pass = [total_rounds // passes + (p < total_rounds % passes) for p in range(passes)]
     only = set(args.only.split(","))
-    unknown = only - {"fedax", "pytorch", "flower"}
+    unknown = only - {"fedax", "pytorch", "flower", "pfl"}
     if unknown:
         parser.error(f"--only: unknown {sorted(unknown)}")
 
@@ -254,7 +271,8 @@ def main(argv=None) -> int:
         groups.append(fedax_configs(model, strategies, args.conv_impls.split(","),
                                     args.all_strategies, args.all_convs))
     for name, module, make in (("pytorch", "torch", torch_configs),
-                               ("flower", "flwr", flower_configs)):
+                               ("flower", "flwr", flower_configs),
+                               ("pfl", "pfl", pfl_configs)):
         if name not in only:
             continue
         if importlib.util.find_spec(module) is None:
@@ -330,7 +348,8 @@ def main(argv=None) -> int:
         "matmul_peak_before_after": [peak_before["flops"], peak_after["flops"]],
         "matmul_peak_one_core": single_core,
         "machine": common.machine_info(),
-        "versions": common.versions("jax", "jaxlib", "optax", "torch", "flwr", "ray", "fedax"),
+        "versions": common.versions("jax", "jaxlib", "optax", "torch", "flwr", "ray", "pfl",
+                                    "fedax"),
         "rounds_per_config": total_rounds,
         "warmup_per_run": args.warmup,
         "passes": passes,
