@@ -11,7 +11,8 @@ implementations interleaved and the order rotated from pass to pass, so that slo
 a shared machine spread over all of them. Rounds during which other processes used more
 than 0.2 of a core (or the hypervisor stole it) are left out of the statistics; the table
 says how many were kept. Writes ``<out>/<model>_<date>.json`` and rewrites
-``<out>/summary.md`` from the newest JSON of each model there.
+the newest comparison of each model into ``<out>/summary.md`` (between its markers; the
+rest of the file, the analyses of earlier runs, is kept).
 """
 
 from __future__ import annotations
@@ -198,29 +199,41 @@ def merge(records: list[dict]) -> dict:
     return row
 
 
-def summary_markdown(out_dir: Path) -> str:
-    """Markdown for the newest ``<model>_<date>.json`` of each model in ``out_dir``."""
+_LATEST_BEGIN = "<!-- compare.py: newest runs (rewritten by each run) -->"
+_LATEST_END = "<!-- /compare.py -->"
+
+
+def _newest(out_dir: Path, model: str) -> Path | None:
+    """The newest full comparison of ``model`` in ``out_dir`` by the date it records (file
+    names do not sort by date: ``2nn_ab_...`` sorts after ``2nn_2026-...``)."""
+    newest, date = None, ""
+    for path in out_dir.glob(f"{model}_*.json"):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if "results" in data and data.get("date", "") > date:
+            newest, date = path, data["date"]
+    return newest
+
+
+def latest_markdown(out_dir: Path) -> str:
+    """Markdown for the newest ``<model>_*.json`` comparison of each model in ``out_dir``."""
     parts = [
-        "# fedax benchmarks: seconds per FedAvg round\n",
-        "Workload W (McMahan et al. 2017, MNIST): 100 IID clients x 600 examples, 10 clients "
-        "a round, E = 5, B = 10 (300 SGD steps per client, 30,000 examples a round), client "
-        "SGD lr 0.05, n_k-weighted averaging. Medians over undisturbed rounds after a warm-up; "
-        "'x fedax' is s/round divided by fedax's default configuration's (> 1: slower than "
-        "fedax). Configurations: fedax's execution strategy (`map:steps:devices`); pytorch, a "
+        "Configurations: fedax's execution strategy (`map:steps:devices`); pytorch, a "
         "hand-written loop (`P procs x T threads`); flower, Flower's Ray simulation engine "
         "(`c cpu/client`); pfl, Apple's pfl-research with its PyTorch backend (`P procs x T "
         "threads`, 2 procs: pfl's multi-process simulation over torch.distributed); all "
-        "but fedax train the same PyTorch model. How to read and rerun: "
-        "`benchmarks/README.md`.\n",
+        "but fedax train the same PyTorch model.\n",
     ]
     for model in common.MODELS:
-        files = sorted(out_dir.glob(f"{model}_*.json"))
-        if not files:
+        path = _newest(out_dir, model)
+        if path is None:
             continue
-        data = json.loads(files[-1].read_text())
+        data = json.loads(path.read_text())
         m = data["machine"]
         peak = data["matmul_peak"]["flops"] / 1e9
-        parts.append(f"## {model.upper()} ({files[-1].name})\n")
+        parts.append(f"## Newest: {model.upper()} ({path.name})\n")
         parts.append(
             f"{data['date']}; {m.get('cpu', '?')}, {m['cores']} cores, "
             f"{m.get('mem_total_gib', '?')} GiB; float32 matmul peak {peak:.1f} GFLOP/s "
@@ -230,6 +243,37 @@ def summary_markdown(out_dir: Path) -> str:
         )
         parts.append(common.markdown_table(data["results"]) + "\n")
     return "\n".join(parts)
+
+
+def update_summary(out_dir: Path) -> Path:
+    """Put :func:`latest_markdown` into ``out_dir/summary.md`` between its markers (after
+    the title and the workload paragraph when the markers are not there yet), keeping
+    everything else in the file: the written analyses of earlier runs stay."""
+    path = out_dir / "summary.md"
+    block = f"{_LATEST_BEGIN}\n\n{latest_markdown(out_dir)}\n{_LATEST_END}"
+    if not path.exists():
+        path.write_text(f"{_HEADER}\n{block}\n")
+        return path
+    text = path.read_text()
+    if _LATEST_BEGIN in text and _LATEST_END in text:
+        head, rest = text.split(_LATEST_BEGIN, 1)
+        text = head + block + rest.split(_LATEST_END, 1)[1]
+    else:
+        cut = text.find("\n## ")
+        text = (text + "\n" + block + "\n" if cut < 0
+                else text[: cut + 1] + "\n" + block + "\n" + text[cut:])
+    path.write_text(text)
+    return path
+
+
+_HEADER = (
+    "# fedax benchmarks: seconds per FedAvg round\n\n"
+    "Workload W (McMahan et al. 2017, MNIST): 100 IID clients x 600 examples, 10 clients a "
+    "round, E = 5, B = 10 (300 SGD steps per client, 30,000 examples a round), client SGD lr "
+    "0.05, n_k-weighted averaging. Medians over undisturbed rounds after a warm-up; 'x fedax' "
+    "is s/round divided by fedax's default configuration's (> 1: slower than fedax). How to "
+    "read and rerun: `benchmarks/README.md`.\n"
+)
 
 
 def main(argv=None) -> int:
@@ -360,7 +404,7 @@ def main(argv=None) -> int:
     out_dir = Path(args.out)
     out = out_dir / f"{model}_{dt.date.today().isoformat()}.json"
     common.write_json(out, result)
-    (out_dir / "summary.md").write_text(summary_markdown(out_dir))
+    update_summary(out_dir)
     print()
     print(common.text_table(rows))
     print(f"\nwrote {out} and {out_dir / 'summary.md'}")

@@ -95,6 +95,37 @@ def test_reproduce_picks_the_best_lr_writes_the_report_and_reuses_runs(tmp_path)
     assert [c["rounds_to_target"] for c in again["cells"]] == [
         c["rounds_to_target"] for c in results["cells"]]
 
+    # One cell at one learning rate (--cells avg --lrs 0.1) reuses that run alone, and so
+    # does a config that differs only in how often it saves (not a different run).
+    logs.clear()
+    chosen = fw.select_cells(experiment, True, ["avg"], [0.1])
+    assert [(c.name, tuple(c.lr_grid)) for c in chosen] == [("avg", (0.1,))]
+    one = fw.reproduce(experiment, out, quick=True, progress=False, log=logs.append,
+                       cells=["avg"], lrs=[0.1])
+    assert [c["name"] for c in one["cells"]] == ["avg"] and one["cells"][0]["lr"] == 0.1
+    assert sum("(reused)" in line for line in logs) == 1
+    assert one["cells"][0]["rounds_to_target"] == avg["rounds_to_target"]
+    saved_config = json.loads((out / "runs" / "avg" / "lr_0.1" / "summary.json").read_text())[
+        "config"]
+    assert fw._same_config({**saved_config, "checkpoint_every": 7}, saved_config)
+    assert not fw._same_config({**saved_config, "rounds": 9}, saved_config)
+
+
+def test_cell_and_learning_rate_choices_are_checked(capsys):
+    experiment = _tiny_experiment()
+    assert [c.name for c in fw.select_cells(experiment, True, ["avg", "sgd"])] == ["sgd", "avg"]
+    with pytest.raises(fw.ConfigError, match="no cell named 'nope'; its cells: sgd, avg"):
+        fw.select_cells(experiment, True, ["nope"])
+    with pytest.raises(fw.ConfigError, match="positive and finite"):
+        fw.select_cells(experiment, True, None, [0.1, 0.0])
+    assert main(["reproduce", "fedavg-shakespeare", "--cells", "fedavg-e5-b10-natrual"]) == 2
+    err = capsys.readouterr().err
+    assert "no cell named 'fedavg-e5-b10-natrual'" in err and "fedavg-e5-b10-natural" in err
+    assert main(["reproduce", "fedavg-shakespeare", "--lrs", "1.47,fast"]) == 2
+    assert "expected comma-separated numbers" in capsys.readouterr().err
+    assert main(["reproduce", "fedbuff", "--cells", "x"]) == 2
+    assert "not a table of cells" in capsys.readouterr().err
+
 
 def test_the_command_lists_experiments_and_rejects_unknown_names(capsys):
     assert main(["reproduce", "--list"]) == 0

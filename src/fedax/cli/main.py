@@ -448,11 +448,22 @@ def cmd_reproduce(args) -> int:
         raise ConfigError(err.args[0]) from None
     out = Path(args.out or f"runs/reproduce/{args.name}" + ("-quick" if args.quick else ""))
     command = f"fedax reproduce {args.name}" + (" --quick" if args.quick else "")
+    cells = lrs = None
+    if args.cells is not None:
+        cells = [c.strip() for c in args.cells.split(",") if c.strip()]
+        command += f" --cells {shlex.quote(args.cells)}"
+    if args.lrs is not None:
+        try:
+            lrs = [float(v) for v in args.lrs.split(",") if v.strip()]
+        except ValueError:
+            raise ConfigError(f"--lrs {args.lrs!r}: expected comma-separated numbers, "
+                              "e.g. --lrs 1.47,3.16") from None
+        command += f" --lrs {shlex.quote(args.lrs)}"
     if args.out:
         command += f" --out {shlex.quote(args.out)}"
     try:
         results = reproduce(args.name, out, quick=args.quick, progress=not args.no_progress,
-                            command=command)
+                            command=command, cells=cells, lrs=lrs)
     except KeyboardInterrupt as err:
         finish_pending_work()
         raise CommandError(f"stopped; continue with: {command} (finished runs in {out} are "
@@ -627,6 +638,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the documented subset that runs in minutes on a laptop CPU")
     rep.add_argument("--out", help="report directory (default runs/reproduce/NAME[-quick]); "
                                    "rerunning into it reuses and resumes finished runs")
+    rep.add_argument("--cells", metavar="NAME,...",
+                     help="run only these cells of the table (their names: the run "
+                          "directories under OUT/runs, or an unknown name's error lists them)")
+    rep.add_argument("--lrs", metavar="LR,...",
+                     help="learning rates to run instead of each cell's grid")
     rep.add_argument("--no-progress", action="store_true", help="no progress bars")
     rep.add_argument("--devices", type=_positive_int, metavar="N", help=devices_help)
     rep.set_defaults(func=cmd_reproduce)

@@ -206,7 +206,7 @@ SHAKESPEARE = Experiment(
     title="FedAvg vs FedSGD, Shakespeare char-LSTM, target 54%",
     paper="McMahan et al. 2017, Table 2 (Shakespeare LSTM, C = 0.1, target 54%)",
     base={**_BASE, "dataset": "shakespeare", "model": "char_lstm", "target_accuracy": 0.54,
-          "eval_every": 5, "checkpoint_every": 10},
+          "eval_every": 5, "checkpoint_every": 2},
     full=_shakespeare_cells(None, (1.47, 3.16, 6.81), SHAKESPEARE_LRS),
     quick=[c for c in _shakespeare_cells(
         100, (1.47,), (1.47,),

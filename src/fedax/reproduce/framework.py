@@ -29,7 +29,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -177,13 +177,23 @@ def _cap(experiment: Experiment, cell: Cell, points) -> int | None:
     return cap if cap < config.rounds else None
 
 
+# Config keys that do not change a run's numbers (how often it saves a checkpoint).
+_NOT_THE_RUN = ("checkpoint_every",)
+
+
 def _same_config(saved: Any, wanted: dict[str, Any]) -> bool:
     """A saved run's config is the wanted one, keys added to the schema since (at their
-    defaults) aside: the saved config is validated again, which fills them in."""
-    if saved == wanted:
+    defaults) and keys that do not change the run (:data:`_NOT_THE_RUN`) aside: the saved
+    config is validated again, which fills them in."""
+    def run_keys(config: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in config.items() if k not in _NOT_THE_RUN}
+
+    if not isinstance(saved, dict):
+        return False
+    if run_keys(saved) == run_keys(wanted):
         return True
     try:
-        return config_to_dict(validate_config(saved)) == wanted
+        return run_keys(config_to_dict(validate_config(saved))) == run_keys(wanted)
     except ConfigError:
         return False
 
@@ -508,13 +518,22 @@ def reproduce(
     progress: bool = True,
     command: str | None = None,
     log: Callable[[str], None] = print,
+    cells: Sequence[str] | None = None,
+    lrs: Sequence[float] | None = None,
 ) -> dict[str, Any]:
-    """Run ``experiment`` (its quick subset with ``quick``) and write the report."""
+    """Run ``experiment`` (its quick subset with ``quick``) and write the report.
+
+    ``cells`` runs only the named cells (a table too long for one sitting can be run cell
+    by cell, each resuming where it stopped); ``lrs`` replaces every cell's learning-rate
+    grid (e.g. the paper's own choice, to skip the grid search). The report then covers the
+    cells run, and names the grids actually tried.
+    """
+    chosen = select_cells(experiment, quick, cells, lrs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     cells = []
-    for cell in experiment.cells(quick):
+    for cell in chosen:
         cells.append(run_cell(experiment, cell, out, progress=progress, log=log))
     _speedups(cells)
     base = _merge(experiment.base, {})
@@ -539,6 +558,28 @@ def reproduce(
     write_report(experiment, results, out)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     return results
+
+
+def select_cells(experiment: Experiment, quick: bool, names: Sequence[str] | None = None,
+                 lrs: Sequence[float] | None = None) -> list[Cell]:
+    """The cells of ``experiment`` (quick or full) named in ``names`` (all when None), in the
+    table's order, each with its grid replaced by ``lrs`` when given. Unknown names and
+    non-positive learning rates are a ``ConfigError`` that lists the choices."""
+    available = list(experiment.cells(quick))
+    if names is not None:
+        known = {c.name for c in available}
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise ConfigError(
+                f"experiment {experiment.name}{' --quick' * quick}: no cell named "
+                f"{', '.join(map(repr, unknown)) or '(none given)'}; its cells: "
+                f"{', '.join(c.name for c in available)}")
+        available = [c for c in available if c.name in set(names)]
+    if lrs is not None:
+        if not lrs or any(not (lr > 0 and math.isfinite(lr)) for lr in lrs):
+            raise ConfigError(f"learning rates must be positive and finite, got {list(lrs)}")
+        available = [replace(c, lr_grid=tuple(lrs)) for c in available]
+    return available
 
 
 def save_results(results: dict[str, Any], out: Path) -> None:
