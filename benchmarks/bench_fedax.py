@@ -54,6 +54,9 @@ def main(argv=None) -> int:
     parser.add_argument("--strategy", default="default", help="MAP:STEPS:DEVICES or default")
     parser.add_argument("--conv-impl", choices=("auto", "lax", "patches", "lax_vjp"), default=None,
                         help="CNN convolution form (default: the model's default)")
+    parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
+                        help="bfloat16: fedax.models.mixed_precision (float32 master weights) "
+                             "with YNNPACK products, as `precision: bfloat16` runs")
     parser.add_argument("--host-devices", type=int, default=None,
                         help="XLA host devices (default: DEVICES, or one per core for default)")
     parser.add_argument("--print-default", action="store_true",
@@ -76,7 +79,10 @@ def main(argv=None) -> int:
         model_kwargs["conv_impl"] = args.conv_impl
     elif args.conv_impl is not None:
         parser.error("--conv-impl applies to the CNN only")
-    model = get_model(args.model, **model_kwargs)
+    from fedax.models import with_precision
+    from fedax.simulation.host import preferred_cpu_dots
+
+    model = with_precision(get_model(args.model, **model_kwargs), args.precision)
     params = jax.jit(model.init)(jax.random.key(common.SEED))
     execution = (choose_execution(params=params) if strategy is None
                  else Execution(*strategy).validate())
@@ -102,7 +108,10 @@ def main(argv=None) -> int:
     config = exec_text if strategy is not None else f"default ({exec_text})"
     if model_kwargs:
         config += f" conv={args.conv_impl}"
-    with common.RssMonitor() as rss:
+    if args.precision != "float32":
+        config += f" {args.precision}"
+    dots = preferred_cpu_dots("ynn" if args.precision == "bfloat16" else None)
+    with common.RssMonitor() as rss, dots:
         clock.mark()
         run(
             algorithm,
@@ -125,6 +134,7 @@ def main(argv=None) -> int:
             "execution": execution._asdict(),
             "host_devices": jax.device_count(),
             "conv_impl": args.conv_impl,
+            "precision": args.precision,
             "fedax_version": fedax.__version__,
             "backend": jax.default_backend(),
         },

@@ -26,6 +26,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +48,8 @@ def fedax_default(model: str) -> dict:
 
 
 def fedax_configs(model: str, strategies: list[str] | None, conv_impls: list[str],
-                  all_strategies: bool, all_convs: bool) -> list[dict]:
+                  all_strategies: bool, all_convs: bool,
+                  precisions: Sequence[str] = ("float32",)) -> list[dict]:
     """fedax's configurations: the default, then every Execution(map, steps, devices) with
     devices 1 and one per core, and ``processes`` with one worker per core (``unroll`` map x
     ``unroll`` steps only with
@@ -57,7 +59,8 @@ def fedax_configs(model: str, strategies: list[str] | None, conv_impls: list[str
     (or explicit ``strategies``), ``lax`` (the model's default form) only with the default
     strategy: every other strategy keeps convolutions inside a loop (scan, lax.map) or
     vmap, where XLA:CPU runs autodiff's ``lax`` weight-gradient convolutions several times
-    slower than ``patches`` or ``lax_vjp`` (fedax's CPU default)."""
+    slower than ``patches`` or ``lax_vjp`` (fedax's CPU default). Each in every precision
+    of ``precisions`` (``bfloat16``: ``precision: bfloat16``, float32 master weights)."""
     cores = common.num_cores()
     default = fedax_default(model)
     default_text = f"{default['map']}:{default['steps']}:{default['devices']}"
@@ -77,19 +80,23 @@ def fedax_configs(model: str, strategies: list[str] | None, conv_impls: list[str
             strategies.append(f"processes:scan:{cores}")  # one worker process per core
     impls = conv_impls if model == "cnn" else [None]
     configs = []
-    for conv in impls:
-        for strategy in strategies:
-            if conv == "lax" and strategy != "default" and not (explicit or all_convs):
-                continue
-            args = ["--strategy", strategy]
-            label = strategy if strategy != "default" else f"default ({default_text})"
-            if conv is not None:
-                args += ["--conv-impl", conv]
-                label += f" conv={conv}"
-            configs.append({"implementation": "fedax", "label": label,
-                            "script": "bench_fedax.py", "args": args,
-                            "is_default": strategy == "default"
-                            and conv in (None, "auto")})
+    for precision in precisions:
+        for conv in impls:
+            for strategy in strategies:
+                if conv == "lax" and strategy != "default" and not (explicit or all_convs):
+                    continue
+                args = ["--strategy", strategy]
+                label = strategy if strategy != "default" else f"default ({default_text})"
+                if conv is not None:
+                    args += ["--conv-impl", conv]
+                    label += f" conv={conv}"
+                if precision != "float32":
+                    args += ["--precision", precision]
+                    label += f" {precision}"
+                configs.append({"implementation": "fedax", "label": label,
+                                "script": "bench_fedax.py", "args": args,
+                                "is_default": strategy == "default"
+                                and conv in (None, "auto") and precision == "float32"})
     return configs
 
 
@@ -292,6 +299,9 @@ def main(argv=None) -> int:
                         help="also fedax's unroll:unroll (slow to compile)")
     parser.add_argument("--conv-impls", default="auto,lax_vjp,patches,lax",
                         help="CNN convolution forms for fedax (comma-separated)")
+    parser.add_argument("--fedax-precisions", default="float32",
+                        help="fedax's compute precisions, comma-separated: float32, bfloat16 "
+                             "(opt-in mixed precision; pays where the CPU has bf16 products)")
     parser.add_argument("--all-convs", action="store_true",
                         help="CNN: every strategy with every form (default: lax only with "
                              "fedax's default strategy)")
@@ -312,8 +322,12 @@ def main(argv=None) -> int:
     groups, errors = [], []
     if "fedax" in only:
         strategies = args.fedax_strategies.split(",") if args.fedax_strategies else None
+        precisions = args.fedax_precisions.split(",")
+        unknown_precisions = sorted(set(precisions) - {"float32", "bfloat16"})
+        if unknown_precisions:
+            parser.error(f"--fedax-precisions: unknown {unknown_precisions}")
         groups.append(fedax_configs(model, strategies, args.conv_impls.split(","),
-                                    args.all_strategies, args.all_convs))
+                                    args.all_strategies, args.all_convs, precisions))
     for name, module, make in (("pytorch", "torch", torch_configs),
                                ("flower", "flwr", flower_configs),
                                ("pfl", "pfl", pfl_configs)):

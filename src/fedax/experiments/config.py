@@ -443,6 +443,8 @@ class Config(_Section):
     synthetic: SyntheticConfig = SyntheticConfig()  # dataset: synthetic
     shakespeare: ShakespeareConfig = ShakespeareConfig()  # dataset: shakespeare
     model: Literal["2nn", "cnn", "logistic", "char_lstm"]
+    # bfloat16: compute in bfloat16 with float32 master weights (fedax.models.precision)
+    precision: Literal["float32", "bfloat16"] = "float32"
     algorithm: Literal[tuple(ALGORITHMS)]  # the registry's names
     # FedProx's proximal weight (its registry default)
     mu: Number = Field(ALGORITHMS["fedprox"].options["mu"], ge=0, allow_inf_nan=False)

@@ -21,6 +21,7 @@ import math
 import os
 import secrets
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -42,7 +43,7 @@ from fedax.experiments.config import (
     resolved_server_optimizer,
     validate_config,
 )
-from fedax.models import get_model, softmax_cross_entropy
+from fedax.models import get_model, softmax_cross_entropy, with_precision
 from fedax.simulation import (
     Execution,
     History,
@@ -52,11 +53,25 @@ from fedax.simulation import (
     run,
 )
 from fedax.simulation.evaluation import client_index, make_client_evaluator
-from fedax.simulation.host import preferred_cpu_dots
+from fedax.simulation.host import cpu_has_bf16, preferred_cpu_dots
 from fedax.simulation.sources import HoldoutSource, PartitionSource
 
 # A directory holding any of these holds a run (``checkpoints`` is a directory).
 RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")
+
+def _check_precision_hardware(precision: str) -> None:
+    """Warn where ``precision: bfloat16`` runs on a CPU: the numbers are bfloat16 compute's
+    either way, but XLA:CPU ran it slower than float32 here, even with AMX-BF16
+    (``benchmarks/bench_precision.py``); it pays on GPUs."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        has = "with" if cpu_has_bf16() else "without"
+        warnings.warn(f"precision: {precision} on a CPU ({has} bfloat16 arithmetic): XLA:CPU "
+                      "ran the MNIST CNN and the char-LSTM slower than float32 "
+                      "(benchmarks/bench_precision.py); it pays on GPUs. Drop the key for "
+                      "float32", RuntimeWarning, stacklevel=2)
+
 
 # XLA:CPU product kernels per model where fedax measured one faster than its default
 # (``fedax.simulation.host.compiler_options``): the char-LSTM's small in-loop products
@@ -710,7 +725,9 @@ def run_experiment(
         data = attack.data
     train = data.train
     check_against_data(config, train.sizes)
-    model = get_model(config.model, **data.model_kwargs)
+    model = with_precision(get_model(config.model, **data.model_kwargs), config.precision)
+    if config.precision != "float32":
+        _check_precision_hardware(config.precision)
     import jax
 
     params = jax.jit(model.init)(jax.random.key(config.seed))
@@ -765,7 +782,8 @@ def run_experiment(
         cohort_size = len(fdata.sample_clients(0, train.num_clients, config.client_fraction))
         source = HoldoutSource(source, config.learned_lr.holdout_clients or cohort_size)
     try:
-        with preferred_cpu_dots(_MODEL_CPU_DOTS.get(config.model)):
+        with preferred_cpu_dots("ynn" if config.precision == "bfloat16"
+                                else _MODEL_CPU_DOTS.get(config.model)):
             history = run(
                 algorithm,
                 params,

@@ -16,6 +16,7 @@ from fedax.models.losses import (
 )
 from fedax.models.lstm import char_lstm, char_lstm_param_count
 from fedax.models.mnist import cnn, conv2d, glorot_uniform, max_pool_2x2, mlp_2nn
+from fedax.models.precision import PRECISIONS, mixed_precision, with_precision
 
 _REGISTRY: dict[str, Callable[..., Model]] = {"2nn": mlp_2nn, "cnn": cnn, "logistic": logistic,
                                              "char_lstm": char_lstm}
@@ -35,6 +36,7 @@ def get_model(name: str, **kwargs) -> Model:
 
 __all__ = [
     "MODEL_NAMES",
+    "PRECISIONS",
     "Model",
     "Params",
     "accuracy",
@@ -47,10 +49,12 @@ __all__ = [
     "logistic",
     "masked_mean",
     "max_pool_2x2",
+    "mixed_precision",
     "mlp_2nn",
     "param_count",
     "per_example_cross_entropy",
     "softmax_cross_entropy",
     "token_accuracy",
     "token_cross_entropy",
+    "with_precision",
 ]

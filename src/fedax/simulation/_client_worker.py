@@ -113,7 +113,7 @@ def main(core: int, rfd: int, wfd: int) -> None:
                 compiled = (
                     jax.jit(exported.call)
                     .lower(*exported.in_avals)
-                    .compile(compiler_options("cpu"))
+                    .compile(compiler_options("cpu", dots=header.get("dots")))
                 )
                 programs[header["key"]] = compiled
                 write_message(wfd, {"ok": True})

@@ -40,7 +40,17 @@ def preferred_cpu_dots(dots: str | None) -> Iterator[None]:
         _PREFERRED_CPU_DOTS.reset(token)
 
 
-def compiler_options(backend: str | None = None) -> dict[str, str] | None:
+def cpu_dots() -> str:
+    """The product kernels a CPU round compiles with now: ``$FEDAX_CPU_DOTS``, else the
+    :func:`preferred_cpu_dots` in force, else ``eigen``."""
+    dots = os.environ.get("FEDAX_CPU_DOTS") or _PREFERRED_CPU_DOTS.get() or "eigen"
+    if dots not in CPU_DOTS:
+        raise ValueError(f"FEDAX_CPU_DOTS={dots!r} is not one of {CPU_DOTS}.")
+    return dots
+
+
+def compiler_options(backend: str | None = None, dots: str | None = None
+                     ) -> dict[str, str] | None:
     """XLA compiler options for a compiled round on ``backend`` (default: JAX's default).
 
     On CPU, matrix products are left to XLA's own (Eigen) kernels instead of YNNPACK's,
@@ -48,16 +58,29 @@ def compiler_options(backend: str | None = None) -> dict[str, str] | None:
     2-core AVX2 machine (``benchmarks/bench_cpu_dots.py``): the MNIST CNN's local step
     ran faster with Eigen products, the 2NN's about the same; the char-LSTM's step about
     10% slower (``benchmarks/bench_lstm.py``: its in-loop ``[B, H] x [H, 4H]`` products),
-    so :func:`preferred_cpu_dots` selects YNNPACK for it. Numbers differ between the two
-    only in float rounding. ``$FEDAX_CPU_DOTS`` (``eigen`` or ``ynn``) overrides both.
-    None on other backends.
+    and bfloat16 products (``precision: bfloat16``) several times slower, so
+    :func:`preferred_cpu_dots` selects YNNPACK for those. Numbers differ between the two
+    only in float rounding. ``dots`` (``eigen`` or ``ynn``; default :func:`cpu_dots`, which
+    ``$FEDAX_CPU_DOTS`` overrides) chooses explicitly, as the ``processes`` workers do with
+    their parent's choice. None on other backends.
     """
     backend = backend or jax.default_backend()
     if backend != "cpu":
         return None
-    dots = os.environ.get("FEDAX_CPU_DOTS") or _PREFERRED_CPU_DOTS.get() or "eigen"
+    dots = dots or cpu_dots()
     if dots not in CPU_DOTS:
-        raise ValueError(f"FEDAX_CPU_DOTS={dots!r} is not one of {CPU_DOTS}.")
+        raise ValueError(f"dots={dots!r} is not one of {CPU_DOTS}.")
     if dots == "ynn":
         return None
     return {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_REDUCE"}
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this host's CPU has bfloat16 arithmetic (x86: AVX512-BF16 or AMX-BF16, from
+    ``/proc/cpuinfo``; Arm: the BF16 extension). False where that cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})

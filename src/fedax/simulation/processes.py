@@ -46,7 +46,7 @@ import numpy as np
 
 from fedax.federated._primitives import broadcast_p
 from fedax.simulation._client_worker import read_message, write_message
-from fedax.simulation.host import usable_cores
+from fedax.simulation.host import cpu_dots, usable_cores
 
 _ALIGN = 64
 
@@ -173,6 +173,7 @@ class ClientProcesses:
             raise ValueError(f"ClientProcesses needs at least one worker, got {workers}.")
         self._workers: list[_Worker] = []
         self._programs: dict[str, bytes] = {}
+        self._dots: dict[str, str] = {}  # each program's product kernels (host.cpu_dots)
         self._lock = threading.Lock()
         # The last round's seconds (sending the blocks, each worker's run, the whole call)
         # and the bytes of each worker's inputs.
@@ -268,8 +269,11 @@ class ClientProcesses:
             *const_avals, *block_avals
         )
         program = bytes(exported.serialize())
-        key = hashlib.sha256(program).hexdigest()
+        # The workers compile it with the product kernels in force here and now.
+        dots = cpu_dots()
+        key = hashlib.sha256(program + dots.encode()).hexdigest()
         self._programs[key] = program
+        self._dots[key] = dots
 
         result_shapes = [jax.ShapeDtypeStruct((n, *o.shape), o.dtype) for o in out_flat]
 
@@ -295,7 +299,8 @@ class ClientProcesses:
             pool = self._start()[:workers]
             for worker in pool:
                 if key not in worker.loaded:
-                    worker.send({"op": "load", "key": key}, self._programs[key])
+                    worker.send({"op": "load", "key": key, "dots": self._dots[key]},
+                                self._programs[key])
             for worker in pool:
                 if key not in worker.loaded:
                     worker.reply()
