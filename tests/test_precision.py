@@ -66,3 +66,15 @@ def test_config_key():
     assert validate_config({**base, "precision": "bfloat16"}).precision == "bfloat16"
     with pytest.raises(ConfigError, match="precision"):
         validate_config({**base, "precision": "fp8"})
+
+
+def test_checkpoints_made_before_the_key_existed_still_resume():
+    """A float32 run's checkpoint fingerprint has no ``precision`` (so checkpoints written
+    before the key existed still match); a bfloat16 run's does (it is another run)."""
+    from fedax.experiments.run import _fingerprint
+
+    base = {"seed": 0, "rounds": 1, "model": "2nn", "algorithm": "fedavg", "partition": "iid",
+            "client_fraction": 0.1, "local_epochs": 1, "batch_size": 10, "client_lr": 0.1}
+    assert "precision" not in _fingerprint(validate_config(base))
+    assert _fingerprint(validate_config({**base, "precision": "bfloat16"}))["precision"] == \
+        "bfloat16"

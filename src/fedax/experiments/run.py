@@ -612,7 +612,7 @@ def build_data(config: Config) -> FederatedData:
 _LATER_KEYS = {"synthetic": SyntheticConfig().model_dump(mode="json"),
                "shakespeare": ShakespeareConfig().model_dump(mode="json"),
                "stragglers": 0.0, "drop_stragglers": False, "max_rejected_fraction": 0.5,
-               "per_client_eval": False}
+               "per_client_eval": False, "precision": "float32"}
 
 
 def _fingerprint(config: Config) -> dict[str, Any]:
