@@ -237,7 +237,9 @@ SHAKESPEARE = Experiment(
 """,
     quick_notes="""
 One char-LSTM client step (10 sequences of 80 characters) costs ~4 GFLOP, about 0.1-0.2 s on
-this 2-core CPU, and the paper's non-IID FedSGD needs 3,906 rounds of 115 clients. `--quick`
+this 2-core CPU when the quick run was made (45-50 ms since the fused LSTM step,
+`benchmarks/bench_lstm.py`), and the paper's non-IID FedSGD needs 3,906 rounds of 115
+clients. `--quick`
 therefore runs a seeded subset of **100 roles** (10 clients a round) for **30 rounds** of
 FedSGD (non-IID), FedAvg E=1, B=10 (non-IID and IID) and FedAvg E=5, B=10 (non-IID, the
 paper's fastest cell), each at the paper's η = 1.47:
@@ -248,12 +250,14 @@ plateau (16.4%: always predicting the most frequent character, a space) within 3
 reaching 28.7% and still rising, while FedSGD and E=1 stayed on it: more local computation
 per round is what moves the LSTM early, the paper's ordering, but no cell comes near 54%.
 The full table (all 1,294 roles, 6 (E, B) cells × 2 partitions × 3 learning
-rates, up to 3× the paper's rounds) is GPU work: on this CPU one round of 129 clients costs
-minutes.
+rates, up to 3× the paper's rounds) is GPU work; its cells run one at a time with
+`--cells` (the full non-IID E=5, B=10 cell at η = 1.47 takes about 100 s a round on this
+CPU: `experiments/results/fedavg-shakespeare`).
 """,
     full_time="""
 `fedax reproduce fedavg-shakespeare` runs all cells on the full data (up to 3× the paper's
-rounds). On this 2-core CPU a FedAvg round of 129 clients at E=1, B=10 takes several
-minutes, so the table is months of CPU time; it resumes where it stopped.
+rounds); `--cells` and `--lrs` run chosen cells at chosen learning rates. On this 2-core CPU
+a FedAvg round of 129 clients at E=5, B=10 takes about 100 s (measured; E=1 runs a fifth of
+its steps), so the whole table is weeks of CPU time; it resumes where it stopped.
 """,
 )
