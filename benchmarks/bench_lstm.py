@@ -11,10 +11,10 @@ forward, backward and the parameter update on ``--batch`` sequences of 80 charac
 Implementations, each in its own subprocess (its own threads, nothing shared), alternated
 in every pass with the order rotated:
 
-- ``fedax``: ``fedax.client.local_train`` over ``--steps`` batches, compiled as the runner
-  compiles a round (``fedax.simulation.host.compiler_options``): what a client runs.
-- ``fedax-ynn``: the same with XLA:CPU's own default product kernels (YNNPACK,
-  ``$FEDAX_CPU_DOTS=ynn``) instead of fedax's CPU default (Eigen).
+- ``fedax``: ``fedax.client.local_train`` over ``--steps`` batches, compiled as ``fedax run``
+  compiles a round of this model (``fedax.simulation.host.compiler_options`` with the
+  model's ``MODEL_CPU_DOTS`` choice, YNNPACK products): what a client runs.
+- ``fedax-eigen``: the same with fedax's CPU default for other models (Eigen products).
 - ``fedax-plain-scan``: the same, with the LSTM written as a plain ``lax.scan`` of the
   cell and differentiated by JAX's autodiff (what one would write first; it is also how
   fedax's LSTM ran before the custom derivative and the fused gates).
@@ -46,7 +46,7 @@ import common  # noqa: E402
 
 VOCAB, EMBED, HIDDEN, LAYERS, SEQ = 98, 8, 256, 2, 80
 LR = 1.47  # the paper's Shakespeare learning rate
-IMPLS = ("fedax", "fedax-ynn", "fedax-plain-scan", "pytorch")
+IMPLS = ("fedax", "fedax-eigen", "fedax-plain-scan", "pytorch")
 
 
 def step_flops(batch: int) -> int:
@@ -93,10 +93,11 @@ def _fedax_timer(impl: str, steps: int, batch: int):
     from fedax.client import Batches, local_train
     from fedax.models import char_lstm
     from fedax.models.losses import token_cross_entropy
-    from fedax.simulation.host import compiler_options
+    from fedax.simulation.host import MODEL_CPU_DOTS, compiler_options
 
     model = char_lstm(VOCAB, EMBED, HIDDEN, LAYERS)
     apply = _plain_apply if impl == "fedax-plain-scan" else model.apply
+    dots = "eigen" if impl == "fedax-eigen" else MODEL_CPU_DOTS["char_lstm"]
     x, y = _data(steps, batch)
     batches = Batches(jnp.asarray(x), jnp.asarray(y), jnp.ones((steps, batch)))
     params = jax.jit(model.init)(jax.random.key(common.SEED))
@@ -105,7 +106,7 @@ def _fedax_timer(impl: str, steps: int, batch: int):
         return token_cross_entropy(apply(p, b.x), b.y, b.mask)
 
     train = jax.jit(lambda p, b: local_train(loss, p, b, optax.sgd(LR)).params,
-                    compiler_options=compiler_options()).lower(params, batches).compile()
+                    compiler_options=compiler_options(dots=dots)).lower(params, batches).compile()
     jax.block_until_ready(train(params, batches))
 
     def run():
@@ -160,10 +161,7 @@ def worker(impl: str, steps: int, batch: int, repeats: int) -> dict:
 def _spawn(impl: str, args) -> dict | None:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--batch",
            str(args.batch), "--steps", str(args.steps), "--repeats", str(args.repeats)]
-    env = dict(os.environ)
-    if impl == "fedax-ynn":
-        env["FEDAX_CPU_DOTS"] = "ynn"
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         tail = (out.stderr.strip().splitlines() or ["?"])[-1]
         print(f"  {impl}: skipped ({tail})", flush=True)

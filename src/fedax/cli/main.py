@@ -234,7 +234,8 @@ def launch_processes(args) -> int:
     env = {k: v for k, v in os.environ.items() if k != "FEDAX_DEVICES"}
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if "xla_force_host_platform_device_count" not in f]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={per}"])
+    env["XLA_FLAGS"] = with_collective_patience(
+        " ".join([*flags, f"--xla_force_host_platform_device_count={per}"]))
     common = [sys.executable, "-m", "fedax.cli.main", "run", args.config,
               *[f"--set={kv}" for kv in args.set],
               f"--set=execution.devices={n * per}", "--num-processes", str(n),
@@ -710,7 +711,24 @@ def split_host_into_devices(devices: int | None = None) -> None:
     if "xla_force_host_platform_device_count" not in flags:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         count = devices if devices is not None else cores
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+        flags = f"{flags} --xla_force_host_platform_device_count={count}"
+    os.environ["XLA_FLAGS"] = with_collective_patience(flags)
+
+
+# A round's clients differ in size (natural partitions: one Shakespeare role has 100x the
+# lines of another), so one host device can reach the round's sum tens of seconds after the
+# other. XLA:CPU aborts the process when a device waits more than 40 s for another at a
+# collective (it killed a full-data Shakespeare run), and warns after 20 s; fedax allows a
+# day and warns after 10 minutes. A value already in XLA_FLAGS is kept.
+COLLECTIVE_PATIENCE = {"xla_cpu_collective_call_terminate_timeout_seconds": 86400,
+                       "xla_cpu_collective_call_warn_stuck_timeout_seconds": 600}
+
+
+def with_collective_patience(flags: str) -> str:
+    """``flags`` (an XLA_FLAGS string) with :data:`COLLECTIVE_PATIENCE` added where unset."""
+    extra = [f"--{name}={value}" for name, value in COLLECTIVE_PATIENCE.items()
+             if name not in flags]
+    return " ".join([*flags.split(), *extra])
 
 
 def _positive_int(text: str) -> int:

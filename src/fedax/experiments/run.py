@@ -53,7 +53,7 @@ from fedax.simulation import (
     run,
 )
 from fedax.simulation.evaluation import client_index, make_client_evaluator
-from fedax.simulation.host import cpu_has_bf16, preferred_cpu_dots
+from fedax.simulation.host import MODEL_CPU_DOTS, cpu_has_bf16, preferred_cpu_dots
 from fedax.simulation.sources import HoldoutSource, PartitionSource
 
 # A directory holding any of these holds a run (``checkpoints`` is a directory).
@@ -73,10 +73,6 @@ def _check_precision_hardware(precision: str) -> None:
                       "float32", RuntimeWarning, stacklevel=2)
 
 
-# XLA:CPU product kernels per model where fedax measured one faster than its default
-# (``fedax.simulation.host.compiler_options``): the char-LSTM's small in-loop products
-# run about 10% faster with YNNPACK's (benchmarks/bench_lstm.py, fedax vs fedax-ynn).
-_MODEL_CPU_DOTS = {"char_lstm": "ynn"}
 
 _DATASETS: dict[str, Any] = {}
 
@@ -783,7 +779,7 @@ def run_experiment(
         source = HoldoutSource(source, config.learned_lr.holdout_clients or cohort_size)
     try:
         with preferred_cpu_dots("ynn" if config.precision == "bfloat16"
-                                else _MODEL_CPU_DOTS.get(config.model)):
+                                else MODEL_CPU_DOTS.get(config.model)):
             history = run(
                 algorithm,
                 params,

@@ -22,6 +22,11 @@ def usable_cores() -> list[int]:
 CPU_DOTS = ("eigen", "ynn")
 
 
+# XLA:CPU product kernels per model (``fedax run``'s model names) where fedax measured one
+# faster than its default: the char-LSTM's small in-loop products run about 10% faster with
+# YNNPACK's (benchmarks/bench_lstm.py, fedax against fedax-eigen).
+MODEL_CPU_DOTS = {"char_lstm": "ynn"}
+
 _PREFERRED_CPU_DOTS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "fedax_preferred_cpu_dots", default=None)
 
