@@ -16,7 +16,7 @@ This is Micikevicius et al. (2018), "Mixed Precision Training", without loss sca
 bfloat16 does not need (it has float32's exponent range). It is opt-in (config
 ``precision: bfloat16``): it changes the numbers, and it pays on GPUs (bfloat16 tensor
 cores). On CPUs XLA:CPU ran it slower than float32 even with AMX-BF16 products
-(``benchmarks/bench_precision.py``: a large bfloat16 product runs 6x faster, but the
+(``benchmarks/bench_precision.py``: a large bfloat16 product ran 2.7x faster, but the
 models' small products and the element-wise work in bfloat16 lose more than that).
 """
 
