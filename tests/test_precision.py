@@ -28,17 +28,17 @@ def test_bfloat16_2nn_close_to_float32_with_float32_weights_and_gradients():
     params = model.init(jax.random.key(0))
     x = jax.random.uniform(jax.random.key(1), (16, 28, 28, 1))
     y = jax.random.randint(jax.random.key(2), (16,), 0, 10)
-    logits = mixed.apply(params, x)
+    logits = jax.jit(mixed.apply)(params, x)
     assert logits.dtype == jnp.float32
-    reference = model.apply(params, x)
+    reference = jax.jit(model.apply)(params, x)
     assert 0 < _rel(logits, reference) < 2e-2  # bfloat16 rounding: not exact, but close
 
     # The bf16 product really ran: its rounding differs from float32's.
     def loss(m):
         return lambda p: softmax_cross_entropy(m.apply(p, x), y)
 
-    grads = jax.grad(loss(mixed))(params)
-    expected = jax.grad(loss(model))(params)
+    grads = jax.jit(jax.grad(loss(mixed)))(params)
+    expected = jax.jit(jax.grad(loss(model)))(params)
     for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(expected), strict=True):
         assert g.dtype == jnp.float32
         assert _rel(g, e) < 0.1  # ~5% measured: bf16 activations and products
@@ -48,13 +48,13 @@ def test_bfloat16_2nn_close_to_float32_with_float32_weights_and_gradients():
 
 def test_bfloat16_lstm_takes_int_ids_and_tracks_float32():
     model = char_lstm(11, embed_dim=4, hidden=8)
-    params = model.init(jax.random.key(0))
+    params = jax.jit(model.init)(jax.random.key(0))
     x = jax.random.randint(jax.random.key(1), (3, 7), 0, 11)
     y = jax.random.randint(jax.random.key(2), (3, 7), 1, 11)
     mixed = mixed_precision(model)
-    np.testing.assert_allclose(mixed.apply(params, x), model.apply(params, x), atol=3e-2)
-    value = token_cross_entropy(mixed.apply(params, x), y)
-    np.testing.assert_allclose(value, token_cross_entropy(model.apply(params, x), y),
+    got, expected = jax.jit(mixed.apply)(params, x), jax.jit(model.apply)(params, x)
+    np.testing.assert_allclose(got, expected, atol=3e-2)
+    np.testing.assert_allclose(token_cross_entropy(got, y), token_cross_entropy(expected, y),
                                rtol=1e-2)
 
 
