@@ -79,17 +79,14 @@ def _free_port() -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
-    parser.add_argument("--procs", type=int, choices=(1, 2), default=1)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op threads per process (default: cores for --procs 1, "
-                             "else 1)")
+    common.add_process_args(parser)
     parser.add_argument("--check", action="store_true",
                         help="smoke check: evaluate on the MNIST test set before and after "
                              "the run (outside the timing; with --procs 2 the other rank "
                              "starts meanwhile, so the first round is shorter)")
     parser.add_argument("--worker-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    threads = args.threads or (common.num_cores() if args.procs == 1 else 1)
+    threads = common.threads_per_process(args)
     rank = args.worker_rank
 
     # pfl reads these when its PyTorch ops are imported (``pfl.model.pytorch``), so set them

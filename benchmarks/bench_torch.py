@@ -53,12 +53,9 @@ def _worker(conn, model: str, threads: int) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
-    parser.add_argument("--procs", type=int, choices=(1, 2), default=1)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op threads per process (default: cores for --procs 1, "
-                             "else 1)")
+    common.add_process_args(parser)
     args = parser.parse_args(argv)
-    threads = args.threads or (common.num_cores() if args.procs == 1 else 1)
+    threads = common.threads_per_process(args)
 
     import torch
     import torch_common as tc

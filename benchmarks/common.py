@@ -522,6 +522,19 @@ def add_common_args(parser) -> None:
     parser.add_argument("--json", default=None, help="write the run's record here")
 
 
+def add_process_args(parser) -> None:
+    """``--procs`` (1 or 2 processes) and ``--threads`` (intra-op threads per process) of the
+    PyTorch-based implementations; :func:`threads_per_process` resolves the default."""
+    parser.add_argument("--procs", type=int, choices=(1, 2), default=1)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads per process (default: cores for --procs 1, "
+                             "else 1)")
+
+
+def threads_per_process(args) -> int:
+    return args.threads or (num_cores() if args.procs == 1 else 1)
+
+
 # ----------------------------------------------------------------------------- tables
 COLUMNS = (
     ("implementation", "implementation"),
