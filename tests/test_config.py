@@ -27,6 +27,7 @@ VALID = {
     "dirichlet_alpha": 0.5,
     "similarity": 0.1,
     "model": "2nn",
+    "precision": "float32",
     "algorithm": "fedavg",
     "mu": 0.01,
     "client_fraction": 0.1,
