@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     elif args.conv_impl is not None:
         parser.error("--conv-impl applies to the CNN only")
     from fedax.models import with_precision
-    from fedax.simulation.host import preferred_cpu_dots
+    from fedax.simulation.host import cpu_dots_for, preferred_cpu_dots
 
     model = with_precision(get_model(args.model, **model_kwargs), args.precision)
     params = jax.jit(model.init)(jax.random.key(common.SEED))
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         config += f" conv={args.conv_impl}"
     if args.precision != "float32":
         config += f" {args.precision}"
-    dots = preferred_cpu_dots("ynn" if args.precision == "bfloat16" else None)
+    dots = preferred_cpu_dots(cpu_dots_for(args.model, args.precision))
     with common.RssMonitor() as rss, dots:
         clock.mark()
         run(

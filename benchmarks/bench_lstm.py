@@ -93,11 +93,11 @@ def _fedax_timer(impl: str, steps: int, batch: int):
     from fedax.client import Batches, local_train
     from fedax.models import char_lstm
     from fedax.models.losses import token_cross_entropy
-    from fedax.simulation.host import MODEL_CPU_DOTS, compiler_options
+    from fedax.simulation.host import compiler_options, cpu_dots_for
 
     model = char_lstm(VOCAB, EMBED, HIDDEN, LAYERS)
     apply = _plain_apply if impl == "fedax-plain-scan" else model.apply
-    dots = "eigen" if impl == "fedax-eigen" else MODEL_CPU_DOTS["char_lstm"]
+    dots = "eigen" if impl == "fedax-eigen" else cpu_dots_for("char_lstm")
     x, y = _data(steps, batch)
     batches = Batches(jnp.asarray(x), jnp.asarray(y), jnp.ones((steps, batch)))
     params = jax.jit(model.init)(jax.random.key(common.SEED))

@@ -74,3 +74,11 @@ def test_xla_takes_the_collective_flags_and_a_late_device_only_warns(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "for 1 seconds" in out.stderr  # it did wait past the threshold, and finished
+
+
+def test_kernel_choice_per_model_and_precision():
+    from fedax.simulation.host import cpu_dots_for
+
+    assert cpu_dots_for("char_lstm") == "ynn"
+    assert cpu_dots_for("cnn") is None and cpu_dots_for("2nn") is None  # fedax's default
+    assert cpu_dots_for("cnn", "bfloat16") == "ynn"

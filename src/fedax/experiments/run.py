@@ -53,7 +53,7 @@ from fedax.simulation import (
     run,
 )
 from fedax.simulation.evaluation import client_index, make_client_evaluator
-from fedax.simulation.host import MODEL_CPU_DOTS, cpu_has_bf16, preferred_cpu_dots
+from fedax.simulation.host import cpu_dots_for, cpu_has_bf16, preferred_cpu_dots
 from fedax.simulation.sources import HoldoutSource, PartitionSource
 
 # A directory holding any of these holds a run (``checkpoints`` is a directory).
@@ -778,8 +778,7 @@ def run_experiment(
         cohort_size = len(fdata.sample_clients(0, train.num_clients, config.client_fraction))
         source = HoldoutSource(source, config.learned_lr.holdout_clients or cohort_size)
     try:
-        with preferred_cpu_dots("ynn" if config.precision == "bfloat16"
-                                else MODEL_CPU_DOTS.get(config.model)):
+        with preferred_cpu_dots(cpu_dots_for(config.model, config.precision)):
             history = run(
                 algorithm,
                 params,

@@ -27,6 +27,13 @@ CPU_DOTS = ("eigen", "ynn")
 # YNNPACK's (benchmarks/bench_lstm.py, fedax against fedax-eigen).
 MODEL_CPU_DOTS = {"char_lstm": "ynn"}
 
+def cpu_dots_for(model: str | None, precision: str = "float32") -> str | None:
+    """The product kernels fedax prefers for ``model`` (a ``fedax run`` model name) at
+    ``precision``: YNNPACK for bfloat16 (Eigen's bfloat16 products are several times
+    slower), :data:`MODEL_CPU_DOTS` otherwise; None: fedax's default."""
+    return "ynn" if precision == "bfloat16" else MODEL_CPU_DOTS.get(model)
+
+
 _PREFERRED_CPU_DOTS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "fedax_preferred_cpu_dots", default=None)
 

@@ -172,8 +172,8 @@ class ClientProcesses:
         if self.num_workers < 1:
             raise ValueError(f"ClientProcesses needs at least one worker, got {workers}.")
         self._workers: list[_Worker] = []
-        self._programs: dict[str, bytes] = {}
-        self._dots: dict[str, str] = {}  # each program's product kernels (host.cpu_dots)
+        # key -> (serialized program, the product kernels it compiles with: host.cpu_dots)
+        self._programs: dict[str, tuple[bytes, str]] = {}
         self._lock = threading.Lock()
         # The last round's seconds (sending the blocks, each worker's run, the whole call)
         # and the bytes of each worker's inputs.
@@ -272,8 +272,7 @@ class ClientProcesses:
         # The workers compile it with the product kernels in force here and now.
         dots = cpu_dots()
         key = hashlib.sha256(program + dots.encode()).hexdigest()
-        self._programs[key] = program
-        self._dots[key] = dots
+        self._programs[key] = (program, dots)
 
         result_shapes = [jax.ShapeDtypeStruct((n, *o.shape), o.dtype) for o in out_flat]
 
@@ -299,8 +298,8 @@ class ClientProcesses:
             pool = self._start()[:workers]
             for worker in pool:
                 if key not in worker.loaded:
-                    worker.send({"op": "load", "key": key, "dots": self._dots[key]},
-                                self._programs[key])
+                    program, dots = self._programs[key]
+                    worker.send({"op": "load", "key": key, "dots": dots}, program)
             for worker in pool:
                 if key not in worker.loaded:
                     worker.reply()
