@@ -38,6 +38,22 @@ def test_cells_validate_and_the_registered_experiments_build_their_configs():
                 assert config.client_lr == lr or cell.lr_key != "client_lr"
 
 
+def test_long_paper_cells_evaluate_every_percent_of_the_paper_rounds():
+    from fedax.reproduce.fedavg_paper import MNIST_2NN, MNIST_CNN
+
+    cnn = {c.name: c for c in MNIST_CNN.full}
+    # 626 paper rounds: every 6th round, so rounds to target stay exact to 1%
+    assert cnn["fedsgd-e1-binf-iid"].config["eval_every"] == 6
+    assert cnn["fedavg-e5-binf-pathological"].config["eval_every"] == 10
+    # short cells keep the experiment's own (finer) resolution
+    assert "eval_every" not in cnn["fedavg-e1-b10-iid"].config
+    assert MNIST_CNN.base["eval_every"] == 2
+    two_nn = {c.name: c for c in MNIST_2NN.full}
+    assert two_nn["fedsgd-e1-binf-iid"].config["eval_every"] == 14
+    assert two_nn["fedavg-e1-b10-pathological"].config["eval_every"] == 6
+    assert "eval_every" not in two_nn["fedavg-e1-b10-iid"].config  # 87 rounds: every 5th
+
+
 def test_speedups_ratio_check_and_the_grid_cap():
     cells = [
         {"group": "g", "baseline": True, "paper": 100, "rounds_to_target": 50.0,
