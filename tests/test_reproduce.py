@@ -126,6 +126,35 @@ def test_reproduce_picks_the_best_lr_writes_the_report_and_reuses_runs(tmp_path)
     assert fw._same_config({**saved_config, "checkpoint_every": 7}, saved_config)
     assert not fw._same_config({**saved_config, "rounds": 9}, saved_config)
 
+    # --report-only runs nothing and reads an unfinished run from its newest readable
+    # checkpoint: FedSGD made to look stopped after round 2 (no summary; its round-4
+    # checkpoint torn).
+    sgd_dir = out / "runs" / "sgd" / "lr_0.1"
+    (sgd_dir / "summary.json").unlink()
+    torn = sgd_dir / "checkpoints" / "ckpt_4.msgpack"
+    torn.write_bytes(torn.read_bytes()[:100])
+    before = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*") if p.is_file()}
+    logs.clear()
+    status = fw.reproduce(experiment, out, quick=True, progress=False, log=logs.append,
+                          report_only=True)
+    assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*") if p.is_file()} == before
+    sgd_now, avg_now = status["cells"]
+    assert status["in_progress"] and sgd_now["in_progress"] and not avg_now["in_progress"]
+    assert sgd_now["rounds_run"] == 2 and sgd_now["curve"]["round"] == [1, 2]
+    assert sgd_now["curve"]["test_accuracy"] == sgd["curve"]["test_accuracy"][:2]
+    ours = avg_now["rounds_to_target"]
+    assert ours == avg["rounds_to_target"]
+    # FedSGD has missed in the 2 rounds it ran so far: the bound uses those, not its cap
+    assert avg_now["speedup"] == (pytest.approx(2 / ours) if ours < 2 else None)
+    report = (out / "report.md").read_text()
+    assert "**In progress.**" in report and "in progress (not reached in 2 rounds)" in report
+    from fedax.experiments.run import run_progress
+
+    other = fw.cell_config(experiment, experiment.quick[0], 0.2)  # not this run's config
+    assert run_progress(other, sgd_dir) is None
+    assert run_progress(fw.cell_config(experiment, experiment.quick[0], 0.1),
+                        sgd_dir)["round"] == 2
+
 
 def test_cell_and_learning_rate_choices_are_checked(capsys):
     experiment = _tiny_experiment()
@@ -141,6 +170,16 @@ def test_cell_and_learning_rate_choices_are_checked(capsys):
     assert "expected comma-separated numbers" in capsys.readouterr().err
     assert main(["reproduce", "fedbuff", "--cells", "x"]) == 2
     assert "not a table of cells" in capsys.readouterr().err
+    assert main(["reproduce", "fedbuff", "--report-only"]) == 2
+    assert "--report-only" in capsys.readouterr().err
+
+
+def test_report_only_without_runs_is_a_one_line_error(tmp_path, capsys):
+    out = tmp_path / "empty"
+    assert main(["reproduce", "fedavg-mnist-cnn", "--cells", "fedsgd-e1-binf-iid",
+                 "--report-only", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "holds no runs of the chosen cells" in err and len(err.strip().splitlines()) == 1
 
 
 def test_the_command_lists_experiments_and_rejects_unknown_names(capsys):

@@ -464,7 +464,8 @@ def cmd_reproduce(args) -> int:
         command += f" --out {shlex.quote(args.out)}"
     try:
         results = reproduce(args.name, out, quick=args.quick, progress=not args.no_progress,
-                            command=command, cells=cells, lrs=lrs)
+                            command=command, cells=cells, lrs=lrs,
+                            **({"report_only": True} if args.report_only else {}))
     except KeyboardInterrupt as err:
         finish_pending_work()
         raise CommandError(f"stopped; continue with: {command} (finished runs in {out} are "
@@ -644,6 +645,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "directories under OUT/runs, or an unknown name's error lists them)")
     rep.add_argument("--lrs", metavar="LR,...",
                      help="learning rates to run instead of each cell's grid")
+    rep.add_argument("--report-only", action="store_true",
+                     help="run nothing: write the report from the runs in OUT so far "
+                          "(unfinished ones from their newest checkpoints, marked in progress)")
     rep.add_argument("--no-progress", action="store_true", help="no progress bars")
     rep.add_argument("--devices", type=_positive_int, metavar="N", help=devices_help)
     rep.set_defaults(func=cmd_reproduce)

@@ -616,6 +616,35 @@ def _fingerprint(config: Config) -> dict[str, Any]:
             if k != "checkpoint_every" and not (k in _LATER_KEYS and v == _LATER_KEYS[k])}
 
 
+def _items(tree: dict[str, Any], prefix: str):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _items(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def run_progress(config: Config, out: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """Where an unfinished run of ``config`` in ``out`` stands, read (never changed) from its
+    newest readable checkpoint whose fingerprint is ``config``'s: ``{"round", "records",
+    "elapsed_s"}``, the records being those a resume continues from. None when ``out`` holds
+    no such checkpoint (no run, another config's, or checkpoints off)."""
+    from fedax.simulation import checkpoint as ckpt
+
+    wanted = dict(_items(_fingerprint(config), "config."))
+    for _, path in ckpt.list_checkpoints(Path(out) / "checkpoints"):  # newest first
+        try:
+            data = ckpt.read_checkpoint(path)
+        except ckpt.CheckpointError:
+            continue  # torn or corrupt: an older one may still say where the run stands
+        saved = {k: v for k, v in data["fingerprint"].items() if str(k).startswith("config.")}
+        if ckpt.fingerprint_differences(saved, wanted):
+            return None
+        return {"round": int(data["round"]), "records": list(data["history"]),
+                "elapsed_s": float(data["elapsed_s"])}
+    return None
+
+
 class AttackPlan(NamedTuple):
     """``config.attack`` made concrete: the data the clients train on (the attackers' part
     corrupted for a data-level attack), the update-level adversary (or None), the

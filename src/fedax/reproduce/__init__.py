@@ -54,11 +54,13 @@ def reproduce(name: str, out_dir: str | os.PathLike[str], *, quick: bool = False
     if isinstance(experiment, CustomExperiment):
         from pathlib import Path
 
-        if kwargs.get("cells") is not None or kwargs.get("lrs") is not None:
+        if (kwargs.get("cells") is not None or kwargs.get("lrs") is not None
+                or kwargs.get("report_only")):
             from fedax.experiments.config import ConfigError
 
-            raise ConfigError(f"experiment {name} is not a table of cells: --cells and --lrs "
-                              "apply to the FedAvg-style tables only (see --list)")
+            raise ConfigError(f"experiment {name} is not a table of cells: --cells, --lrs "
+                              "and --report-only apply to the FedAvg-style tables only "
+                              "(see --list)")
 
         command = kwargs.get("command") or f"fedax reproduce {name}" + " --quick" * quick
         return experiment.run(Path(out_dir), quick, progress, command)

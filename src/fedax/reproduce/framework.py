@@ -273,12 +273,62 @@ def _with_records(experiment: Experiment, summary: dict[str, Any], out: Path) ->
     return summary
 
 
+def progress_summary(experiment: Experiment, cell: Cell, lr: float, out: Path,
+                     rounds: int | None = None) -> dict[str, Any] | None:
+    """A grid point's summary without running anything: its finished run's, or where its
+    unfinished run stands (``"in_progress": True``, from the newest checkpoint of this
+    config); None when ``out`` holds neither."""
+    from fedax.experiments.run import run_progress
+    from fedax.simulation import rounds_to_target
+
+    config = cell_config(experiment, cell, lr)
+    if rounds is not None:
+        config = config.model_copy(update={"rounds": rounds})
+    wanted = config_to_dict(config)
+    summary_path = out / "summary.json"
+    if summary_path.exists():
+        done = json.loads(summary_path.read_text())
+        if _same_config(done.get("config"), wanted):
+            return _with_records(experiment, {**done, "reused": True}, out)
+    state = run_progress(config, out)
+    if state is None or not state["records"]:
+        return None
+    records = state["records"]
+    accs = [r["test_accuracy"] for r in records]
+    target = config.target_accuracy
+    summary = {
+        "config": wanted, "rounds_run": state["round"], "in_progress": True,
+        "rounds_to_target": (rounds_to_target([r["round"] for r in records], accs, target)
+                             if target is not None else None),
+        "best_test_accuracy": max(accs), "final_test_accuracy": accs[-1],
+        "wall_time_s": state["elapsed_s"], "records": records,
+    }
+    k = min(experiment.last_k, len(accs))
+    summary["last_accuracy"] = sum(accs[-k:]) / k
+    return summary
+
+
 def run_cell(experiment: Experiment, cell: Cell, out_dir: Path, *, progress: bool,
-             log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every learning rate of ``cell``'s grid; the best one is the cell's result."""
+             log: Callable[[str], None] = print,
+             report_only: bool = False) -> dict[str, Any] | None:
+    """Run every learning rate of ``cell``'s grid; the best one is the cell's result.
+
+    With ``report_only``, nothing runs: the cell is read from its finished and unfinished
+    runs (None when it has neither), marked ``in_progress`` when its best point is
+    unfinished."""
     points: list[tuple[float, dict[str, Any]]] = []
     for lr in cell.lr_grid:
         cap = _cap(experiment, cell, points)
+        if report_only:
+            point = progress_summary(experiment, cell, lr,
+                                     out_dir / "runs" / cell.name / lr_dirname(lr), cap)
+            if point is not None:
+                points.append((lr, point))
+                state = ("in progress" if point.get("in_progress") else "finished")
+                log(f"-- {cell.describe()}: {cell.lr_key}={lr:g}: {state}, "
+                    f"{point['rounds_run']} rounds, best acc "
+                    f"{point['best_test_accuracy']:.4f}")
+            continue
         log(f"-- {cell.describe()}: {cell.lr_key}={lr:g}" + (f" (cap {cap} rounds)" if cap
                                                              else ""))
         summary = run_one(experiment, cell, lr, out_dir / "runs" / cell.name / lr_dirname(lr),
@@ -287,6 +337,9 @@ def run_cell(experiment: Experiment, cell: Cell, out_dir: Path, *, progress: boo
         log(f"   rounds to target {summary.get('rounds_to_target')}, "
             f"best acc {summary['best_test_accuracy']:.4f}, {summary['wall_time_s']:.0f} s"
             + (" (reused)" if summary.get("reused") else ""))
+    if not points:
+        log(f"-- {cell.describe()}: no runs yet")
+        return None
     best_lr, best = min(points, key=lambda p: _score(experiment, p[1]))
     config = cell_config(experiment, cell, best_lr)
     lrs = sorted(lr for lr, _ in points)
@@ -311,11 +364,13 @@ def run_cell(experiment: Experiment, cell: Cell, out_dir: Path, *, progress: boo
         "paper": cell.paper,
         "baseline": cell.baseline,
         "note": cell.note,
+        "in_progress": bool(best.get("in_progress")),
         "wall_time_s": sum(s["wall_time_s"] for _, s in points),
         "grid": [
             {"lr": lr, "rounds_to_target": s.get("rounds_to_target"),
              "rounds_run": s["rounds_run"], "best_test_accuracy": s["best_test_accuracy"],
-             "last_accuracy": s["last_accuracy"], "wall_time_s": s["wall_time_s"]}
+             "last_accuracy": s["last_accuracy"], "wall_time_s": s["wall_time_s"],
+             "in_progress": bool(s.get("in_progress"))}
             for lr, s in points
         ],
         "curve": {"round": [r["round"] for r in best["records"]],
@@ -338,10 +393,13 @@ def _speedups(cells: list[dict[str, Any]]) -> None:
             ours, theirs = c["rounds_to_target"], base["rounds_to_target"]
             if ours and theirs:
                 c["speedup"] = theirs / ours
-            elif ours and theirs is None and base["rounds_cap"] > ours:
-                # The baseline missed within its cap: the speedup is at least cap / ours
-                # (shown only when that bound says something, i.e. exceeds 1).
-                c["speedup"], c["speedup_bound"] = base["rounds_cap"] / ours, True
+            elif ours and theirs is None:
+                # The baseline missed within its cap (or, unfinished, within the rounds it
+                # has run): the speedup is at least those rounds / ours (shown only when
+                # that bound says something, i.e. exceeds 1).
+                missed_in = base["rounds_run"] if base.get("in_progress") else base["rounds_cap"]
+                if missed_in > ours:
+                    c["speedup"], c["speedup_bound"] = missed_in / ours, True
 
 
 def _fmt(value: Any, digits: int = 0) -> str:
@@ -364,6 +422,8 @@ def _ratio_check(cell: dict[str, Any]) -> str:
     ours, paper = cell["rounds_to_target"], cell["paper"]
     if paper is None:
         return "no paper value"
+    if ours is None and cell.get("in_progress"):
+        return f"in progress (not reached in {cell['rounds_run']} rounds)"
     if ours is None:
         return f"missed (target not reached in {cell['rounds_cap']} rounds)"
     ratio = ours / paper
@@ -436,9 +496,16 @@ def write_report(experiment: Experiment, results: dict[str, Any], out: Path) -> 
         f"Command: `{results['command']}` ({'quick subset' if results['quick'] else 'full'}"
         f"), {results['wall_time_s'] / 60:.1f} min on {results['machine']['cpus']} CPU cores "
         f"({results['machine']['backend']}, JAX {results['machine']['jax']}), "
-        f"finished {results['finished']}.",
+        f"{'written' if results.get('in_progress') else 'finished'} {results['finished']}.",
         "",
     ]
+    if results.get("in_progress"):
+        lines += [
+            "**In progress.** Cells marked *in progress* are unfinished runs, read from their "
+            "newest checkpoints (`--report-only`); the command above continues them and "
+            "rewrites this report when they finish.",
+            "",
+        ]
     if experiment.metric == "rounds_to_target":
         several = len({c.get("target_accuracy", target) for c in cells}) > 1
         goal = "each cell's target" if several else f"{target:.0%}"
@@ -463,7 +530,8 @@ def write_report(experiment: Experiment, results: dict[str, Any], out: Path) -> 
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for c in cells:
         cols = [_fmt_column(c["config"].get(k, c.get(k))) for k in experiment.columns]
-        lr = f"{c['lr']:g}" + (" (edge)" if c["lr_at_grid_edge"] else "")
+        lr = (f"{c['lr']:g}" + (" (edge)" if c["lr_at_grid_edge"] else "")
+              + (" *in progress*" if c.get("in_progress") else ""))
         if experiment.metric == "rounds_to_target":
             speed = c["speedup"]
             speed_s = "—" if speed is None else (
@@ -488,6 +556,7 @@ def write_report(experiment: Experiment, results: dict[str, Any], out: Path) -> 
             + (f" (best acc {p['best_test_accuracy']:.4f})"
                if experiment.metric == "rounds_to_target" and p["rounds_to_target"] is None
                else "")
+            + (f" (in progress, {p['rounds_run']} rounds)" if p.get("in_progress") else "")
             for p in c["grid"])
         lines.append(f"- {c['method']} {c['name']}: {c['lr_key']} ∈ {{{pts}}}"
                      + (f". {c['note']}" if c["note"] else ""))
@@ -520,13 +589,16 @@ def reproduce(
     log: Callable[[str], None] = print,
     cells: Sequence[str] | None = None,
     lrs: Sequence[float] | None = None,
+    report_only: bool = False,
 ) -> dict[str, Any]:
     """Run ``experiment`` (its quick subset with ``quick``) and write the report.
 
     ``cells`` runs only the named cells (a table too long for one sitting can be run cell
     by cell, each resuming where it stopped); ``lrs`` replaces every cell's learning-rate
     grid (e.g. the paper's own choice, to skip the grid search). The report then covers the
-    cells run, and names the grids actually tried.
+    cells run, and names the grids actually tried. ``report_only`` runs nothing: the report
+    covers the cells with runs in ``out_dir``, unfinished ones read from their newest
+    checkpoints and marked in progress (nothing in ``out_dir`` but the report changes).
     """
     chosen = select_cells(experiment, quick, cells, lrs)
     out = Path(out_dir)
@@ -534,7 +606,13 @@ def reproduce(
     started = time.perf_counter()
     cells = []
     for cell in chosen:
-        cells.append(run_cell(experiment, cell, out, progress=progress, log=log))
+        result = run_cell(experiment, cell, out, progress=progress, log=log,
+                          report_only=report_only)
+        if result is not None:
+            cells.append(result)
+    if not cells:
+        raise ConfigError(f"{out} holds no runs of the chosen cells yet: nothing to report "
+                          "(run the command without --report-only first)")
     _speedups(cells)
     base = _merge(experiment.base, {})
     target = base.get("target_accuracy")
@@ -550,6 +628,7 @@ def reproduce(
         "machine": machine_info(),
         "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "cells": cells,
+        "in_progress": any(c["in_progress"] for c in cells),
     }
     results["figures"] = figures(experiment, cells, out, target)
     # Compute time of every run in the report (reused runs count with their own time).
