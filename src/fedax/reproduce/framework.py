@@ -512,7 +512,7 @@ def write_report(experiment: Experiment, results: dict[str, Any], out: Path) -> 
         lines += [
             f"Rounds to {goal} test accuracy (best-so-far curve, linear interpolation; "
             "— = not reached within the cap). Speedup = the group's FedSGD rounds / the "
-            "cell's rounds (≥ when FedSGD missed within its cap).",
+            "cell's rounds (≥ when FedSGD missed within its cap, or so far).",
             "",
         ]
         header = ["method"] + [_COLUMN_NAMES.get(c, c) for c in experiment.columns] + [
