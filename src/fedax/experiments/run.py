@@ -616,22 +616,15 @@ def _fingerprint(config: Config) -> dict[str, Any]:
             if k != "checkpoint_every" and not (k in _LATER_KEYS and v == _LATER_KEYS[k])}
 
 
-def _items(tree: dict[str, Any], prefix: str):
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _items(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
 def run_progress(config: Config, out: str | os.PathLike[str]) -> dict[str, Any] | None:
     """Where an unfinished run of ``config`` in ``out`` stands, read (never changed) from its
     newest readable checkpoint whose fingerprint is ``config``'s: ``{"round", "records",
     "elapsed_s"}``, the records being those a resume continues from. None when ``out`` holds
     no such checkpoint (no run, another config's, or checkpoints off)."""
     from fedax.simulation import checkpoint as ckpt
+    from fedax.simulation.runner import flat_items
 
-    wanted = dict(_items(_fingerprint(config), "config."))
+    wanted = dict(flat_items(_fingerprint(config), "config."))
     for _, path in ckpt.list_checkpoints(Path(out) / "checkpoints"):  # newest first
         try:
             data = ckpt.read_checkpoint(path)

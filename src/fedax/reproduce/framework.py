@@ -198,11 +198,9 @@ def _same_config(saved: Any, wanted: dict[str, Any]) -> bool:
         return False
 
 
-def run_one(
-    experiment: Experiment, cell: Cell, lr: float, out: Path, *, progress: bool,
-    rounds: int | None = None,
-) -> dict[str, Any]:
-    """Run (or reuse, or resume) one grid point; returns its summary with the records."""
+def _finished(experiment: Experiment, cell: Cell, lr: float, out: Path, rounds: int | None):
+    """``(config, its dict, the finished run's summary with records or None)`` of a grid
+    point (``rounds`` replacing the cell's cap when given)."""
     config = cell_config(experiment, cell, lr)
     if rounds is not None:
         config = config.model_copy(update={"rounds": rounds})
@@ -211,9 +209,20 @@ def run_one(
     if summary_path.exists():
         done = json.loads(summary_path.read_text())
         if _same_config(done.get("config"), wanted):
-            done["reused"] = True
-            return _with_records(experiment, done, out)
-        shutil.rmtree(out)  # another config: start over
+            return config, wanted, _with_records(experiment, {**done, "reused": True}, out)
+    return config, wanted, None
+
+
+def run_one(
+    experiment: Experiment, cell: Cell, lr: float, out: Path, *, progress: bool,
+    rounds: int | None = None,
+) -> dict[str, Any]:
+    """Run (or reuse, or resume) one grid point; returns its summary with the records."""
+    config, wanted, done = _finished(experiment, cell, lr, out, rounds)
+    if done is not None:
+        return done
+    if (out / "summary.json").exists():
+        shutil.rmtree(out)  # a finished run of another config: start over
     runner = experiment.runner or _default_runner
     label = f"{cell.method} lr={lr:g}"
     with warnings.catch_warnings():
@@ -281,15 +290,9 @@ def progress_summary(experiment: Experiment, cell: Cell, lr: float, out: Path,
     from fedax.experiments.run import run_progress
     from fedax.simulation import rounds_to_target
 
-    config = cell_config(experiment, cell, lr)
-    if rounds is not None:
-        config = config.model_copy(update={"rounds": rounds})
-    wanted = config_to_dict(config)
-    summary_path = out / "summary.json"
-    if summary_path.exists():
-        done = json.loads(summary_path.read_text())
-        if _same_config(done.get("config"), wanted):
-            return _with_records(experiment, {**done, "reused": True}, out)
+    config, wanted, done = _finished(experiment, cell, lr, out, rounds)
+    if done is not None:
+        return done
     state = run_progress(config, out)
     if state is None or not state["records"]:
         return None

@@ -213,10 +213,11 @@ def _maybe_mesh(mesh):
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str):
+def flat_items(tree: Mapping[str, Any], prefix: str):
+    """``(dotted key, leaf)`` of a nested mapping, each key starting with ``prefix``."""
     for key, value in tree.items():
         if isinstance(value, Mapping):
-            yield from _flatten(value, f"{prefix}{key}.")
+            yield from flat_items(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
 
@@ -230,7 +231,7 @@ def _identity(init_params, execution: Execution, source, extra, **arguments) -> 
     items.update(source.identity())
     items.update({f"execution.{k}": v for k, v in execution._asdict().items()})
     items["init_params.sha256"] = ckpt.tree_sha256(init_params)
-    for key, value in _flatten(extra or {}, "config."):
+    for key, value in flat_items(extra or {}, "config."):
         items[key] = value
     return items
 
