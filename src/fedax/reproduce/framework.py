@@ -272,8 +272,11 @@ def _read_records(out: Path) -> list[dict[str, Any]]:
             if line.strip()]
 
 
-def _with_records(experiment: Experiment, summary: dict[str, Any], out: Path) -> dict:
-    records = _read_records(out)
+def _with_records(experiment: Experiment, summary: dict[str, Any], out: Path,
+                  records: list[dict[str, Any]] | None = None) -> dict:
+    """``summary`` with its evaluation records (``out``'s, unless given) and the mean
+    accuracy of the last ``experiment.last_k`` of them."""
+    records = _read_records(out) if records is None else records
     summary = dict(summary)
     summary["records"] = records
     accs = [r["test_accuracy"] for r in records]
@@ -304,11 +307,9 @@ def progress_summary(experiment: Experiment, cell: Cell, lr: float, out: Path,
         "rounds_to_target": (rounds_to_target([r["round"] for r in records], accs, target)
                              if target is not None else None),
         "best_test_accuracy": max(accs), "final_test_accuracy": accs[-1],
-        "wall_time_s": state["elapsed_s"], "records": records,
+        "wall_time_s": state["elapsed_s"],
     }
-    k = min(experiment.last_k, len(accs))
-    summary["last_accuracy"] = sum(accs[-k:]) / k
-    return summary
+    return _with_records(experiment, summary, out, records)
 
 
 def run_cell(experiment: Experiment, cell: Cell, out_dir: Path, *, progress: bool,
