@@ -35,13 +35,21 @@ ISA_TESTS := tests/test_runner.py tests/test_federated.py tests/test_device_data
 ISA_SKIP := not builds_every_algorithm and not writes_metrics and not same_seed \
 	and not leaves_the_callers and not bad_config and not devices_flag_shards
 
+# The suite runs on every core (pytest-xdist, one test file per worker so that a file's
+# compiled programs and module fixtures are made once); the tests marked `serial` (network
+# deadlines of a few seconds) then run alone. PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= auto
+PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
+
 ## test: install the test tools, lint, run the test suite (and the multi-device tests at AVX2)
 test: $(VENV)/.test-installed
 	$(BIN)/ruff check .
-	$(BIN)/pytest
+	$(BIN)/pytest $(PARALLEL) -m "not serial"
+	$(BIN)/pytest -m serial
 	@if [ "$$(uname -m)" = x86_64 ]; then \
 	  echo "== multi-device tests with XLA_FLAGS=--xla_cpu_max_isa=AVX2"; \
-	  XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=AVX2" $(BIN)/pytest $(ISA_TESTS) -k "$(ISA_SKIP)"; \
+	  XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=AVX2" $(BIN)/pytest $(PARALLEL) $(ISA_TESTS) \
+	    -k "$(ISA_SKIP)"; \
 	fi
 
 $(VENV)/.docs-installed: pyproject.toml $(VENV)/.installed

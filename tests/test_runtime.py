@@ -47,6 +47,9 @@ from fedax.runtime import (
 from fedax.simulation import Execution, HostCohorts
 from fedax.simulation import run as simulate
 
+# Network deadlines of a few seconds: `make test` runs these alone (pyproject `serial`).
+pytestmark = pytest.mark.serial
+
 NUM_CLIENTS = 6
 DIM, CLASSES = 20, 5
 

@@ -34,6 +34,9 @@ from fedax.runtime import ClientTLS, Connection, build, make_dev_pki, store, wir
 from fedax.runtime.server import CHECKPOINT, ROUND_LOG
 from fedax.runtime.task import server_state
 
+# Network deadlines of a few seconds: `make test` runs these alone (pyproject `serial`).
+pytestmark = pytest.mark.serial
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 # A process hosting client stubs that take their task and then hang (until killed).
