@@ -54,6 +54,27 @@ def test_long_paper_cells_evaluate_every_percent_of_the_paper_rounds():
     assert "eval_every" not in two_nn["fedavg-e1-b10-iid"].config  # 87 rounds: every 5th
 
 
+def test_shakespeare_line_sample_column_repeats_the_non_iid_cells():
+    """The third column runs the non-IID cells on one sample per line (the paper's u); the
+    chunk cells' configs carry no ``sample`` key, so their runs' fingerprints, and the
+    committed run's checkpoints, still match."""
+    from fedax.reproduce.fedavg_paper import SHAKESPEARE
+
+    cells = {c.name: c for c in SHAKESPEARE.full}
+    line = [c for c in SHAKESPEARE.full if c.group == "non-IID, line samples"]
+    chunk = [c for c in SHAKESPEARE.full if c.group == "non-IID"]
+    assert [c.name for c in line] == [f"{c.name}-line" for c in chunk]
+    for c in line:
+        twin = cells[c.name.removesuffix("-line")]
+        assert (c.paper, c.method, c.baseline, c.lr_grid) == (
+            twin.paper, twin.method, twin.baseline, twin.lr_grid)
+        assert cell_config(SHAKESPEARE, c, 1.47).shakespeare.sample == "line"
+        assert cell_config(SHAKESPEARE, twin, 1.47).shakespeare.sample == "chunk"
+    assert all("sample" not in c.config["shakespeare"] for c in SHAKESPEARE.full
+               if not c.name.endswith("-line"))
+    assert [c for c in line if c.baseline] == [cells["fedsgd-e1-binf-natural-line"]]
+
+
 def test_speedups_ratio_check_and_the_grid_cap():
     cells = [
         {"group": "g", "baseline": True, "paper": 100, "rounds_to_target": 50.0,
