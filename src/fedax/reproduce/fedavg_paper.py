@@ -270,11 +270,11 @@ far each got. In the committed quick run (seed 0) only FedAvg E=5 left the unigr
 plateau (16.4%: always predicting the most frequent character, a space) within 30 rounds,
 reaching 28.7% and still rising, while FedSGD and E=1 stayed on it: more local computation
 per round is what moves the LSTM early, the paper's ordering, but no cell comes near 54%.
-The full table (all 1,294 roles, 6 (E, B) cells × 2 partitions × 3 learning
-rates, up to 3× the paper's rounds) is GPU work; its cells run one at a time with
-`--cells`. The full non-IID E=5, B=10 cell at η = 1.47 takes about 100 s a round on this
-CPU, and after 70 rounds it is at 49.3%, nearly flat and short of 54%
-(`experiments/results/fedavg-shakespeare`).
+The full table (all 1,294 roles, 6 (E, B) cells × 3 columns (IID, non-IID, and
+non-IID on line samples) × 3 learning rates, up to 3× the paper's rounds) is GPU work;
+its cells run one at a time with `--cells`. The full non-IID E=5, B=10 cell at η = 1.47
+takes about 100 s a round on this CPU, and after 70 rounds it is at 49.3%, nearly flat and
+short of 54% (`experiments/results/fedavg-shakespeare`).
 """,
     full_time="""
 `fedax reproduce fedavg-shakespeare` runs all cells on the full data (up to 3× the paper's
