@@ -29,24 +29,7 @@ import optax
 from fedax.data.shakespeare import PAD, VOCAB_SIZE, load_shakespeare
 from fedax.models import token_cross_entropy
 from fedax.models.lstm import char_lstm
-
-
-def evaluate(apply, params, x, y, batch=2000) -> tuple[float, float]:
-    """Token-weighted test accuracy and loss over the real (non-PAD) targets."""
-
-    @jax.jit
-    def sums(p, xb, yb):
-        logits = apply(p, xb)
-        real = yb != PAD
-        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), yb[..., None], -1)[..., 0]
-        hits = jnp.argmax(logits, -1) == yb
-        return jnp.sum(hits & real), jnp.sum(jnp.where(real, nll, 0.0)), jnp.sum(real)
-
-    correct = loss = count = 0.0
-    for i in range(0, len(x), batch):
-        c, s, n = sums(params, jnp.asarray(x[i:i + batch]), jnp.asarray(y[i:i + batch]))
-        correct, loss, count = correct + float(c), loss + float(s), count + float(n)
-    return correct / count, loss / count
+from fedax.simulation import make_evaluator
 
 
 def main() -> None:
@@ -63,6 +46,8 @@ def main() -> None:
     data = load_shakespeare(sample=args.sample)
     x_train, y_train = data["x_train"], data["y_train"]
     model = char_lstm(VOCAB_SIZE)
+    # The federated runs' own evaluator: the same token-weighted accuracy and loss.
+    evaluate = make_evaluator(model.apply, data["x_test"], data["y_test"], pad_id=PAD)
     params = model.init(jax.random.key(args.seed))
     optimizer = optax.sgd(args.lr)
     opt_state = optimizer.init(params)
@@ -88,7 +73,7 @@ def main() -> None:
                                        jnp.asarray(y_train[take]))
         losses.append(loss)
         if t % every == 0 or t == total:
-            acc, test_loss = evaluate(model.apply, params, data["x_test"], data["y_test"])
+            acc, test_loss = evaluate(params)
             record = {"step": t, "epoch": round(t / per_epoch, 3), "test_accuracy": acc,
                       "test_loss": test_loss, "train_loss": float(np.mean(losses)),
                       "elapsed_s": round(time.perf_counter() - start, 1),

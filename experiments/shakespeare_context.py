@@ -31,6 +31,7 @@ from fedax.simulation.checkpoint import read_checkpoint
 
 LAYERS, HIDDEN = 2, 256
 PREFIX = ".server.params"
+MODEL = char_lstm(VOCAB_SIZE)
 
 
 def server_params(path: str) -> dict:
@@ -79,7 +80,7 @@ def zero_state(batch: int):
 
 def by_position(params, x, y, batch=2000):
     """Correct predictions and targets per window position."""
-    predict = jax.jit(lambda p, xb: jnp.argmax(char_lstm(VOCAB_SIZE).apply(p, xb), -1))
+    predict = jax.jit(lambda p, xb: jnp.argmax(MODEL.apply(p, xb), -1))
     correct = np.zeros(x.shape[1])
     count = np.zeros(x.shape[1])
     for i in range(0, len(x), batch):
@@ -103,7 +104,7 @@ def stream_accuracy(params, data) -> float:
     for w in range(windows):
         state, logits = stream_window(params, state, jnp.asarray(xs[w]))
         if w == 0:  # the plain LSTM from a zero state is the model's own apply
-            ref = char_lstm(VOCAB_SIZE).apply(params, jnp.asarray(xs[0]))
+            ref = MODEL.apply(params, jnp.asarray(xs[0]))
             np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=2e-3)
         real = ys[w] != PAD
         correct += int(((np.asarray(jnp.argmax(logits, -1)) == ys[w]) & real).sum())
