@@ -5,9 +5,13 @@ stays light."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
+import os
+import secrets
+import shutil
 import sys
 from pathlib import Path
 
@@ -15,19 +19,41 @@ from fedax.experiments.errors import ConfigError
 
 
 def _one_line(command):
-    """A bad setting, a refused token or an unreachable server ends the command with one
-    line naming the fix (``fedax: error: ...``, status 2), not a traceback."""
+    """A bad setting or a refused token ends the command with one line naming the fix
+    (``fedax: error: ...``, status 2), a server that cannot be reached with ``fedax: error:
+    cannot connect to HOST:PORT: <cause>; <what to do>`` (status 1), not a traceback."""
 
     @functools.wraps(command)
     def wrapped(args) -> int:
         try:
             return command(args)
-        except (ValueError, PermissionError, ConnectionError) as err:
+        except ConnectionError as err:
+            raise _command_error()(str(err)) from err
+        except (ValueError, PermissionError) as err:
             if isinstance(err, ConfigError):
                 raise
             raise ConfigError(str(err)) from err
 
     return wrapped
+
+
+def _command_error() -> type[Exception]:
+    """``fedax.cli.main.CommandError`` (status 1) of the running ``main``: under ``python -m
+    fedax.cli.main`` that is ``__main__``'s, a class apart from an imported module's."""
+    running = sys.modules.get("__main__")
+    if getattr(getattr(running, "__spec__", None), "name", None) == "fedax.cli.main":
+        return running.CommandError
+    from fedax.cli.main import CommandError
+
+    return CommandError
+
+
+def _quiet_grpc(args) -> None:
+    """gRPC's C core logs a failed TLS handshake (and more) on stderr at INFO unless told
+    otherwise; the commands report such failures themselves, in one line. Must run before
+    grpc is imported; ``GRPC_VERBOSITY`` set by the user, or ``--debug``, wins."""
+    if not getattr(args, "debug", False):
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 def _logging(name: str) -> None:
@@ -65,19 +91,83 @@ def _aggregator_spec(text: str | None):
     return spec
 
 
+@contextlib.contextmanager
+def _staged(out: Path, overwrite: bool):
+    """Yields an empty directory to write a setup into: beside ``out``, or inside it if
+    it exists. When the block succeeds its files move into ``out`` (created if missing:
+    one rename); when anything fails (an exception, Ctrl-C) the directory is removed, with
+    any parent directories this made, so ``out`` is exactly as before. Files already in
+    ``out`` are replaced only with ``overwrite``, and only at the end; nothing else in
+    ``out`` is touched."""
+    target = Path(os.path.abspath(out))
+    parent = target if target.is_dir() else target.parent
+    made = [p for p in (parent, *parent.parents) if not p.exists()]
+    stage = None
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        stage = parent / f".{target.name}.fedax-init-{secrets.token_hex(4)}"
+        stage.mkdir()
+        yield stage
+        _move_into(stage, out, overwrite)
+    except BaseException:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+        for p in made:  # deepest first; each only if empty
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
+
+
+def _move_into(stage: Path, out: Path, overwrite: bool) -> None:
+    """Moves ``stage``'s files into ``out`` (``registry.json``, which marks a setup, last);
+    checks every target first, so a refusal moves nothing."""
+    if not out.exists():
+        stage.rename(out)
+        return
+    if not out.is_dir():
+        raise ValueError(f"{out} is a file; name a directory for the setup")
+    files = sorted((p for p in stage.rglob("*") if not p.is_dir()),
+                   key=lambda p: (p.name == "registry.json", str(p)))
+    for src in files:
+        dst = out / src.relative_to(stage)
+        for above in reversed(dst.relative_to(out).parents[:-1]):
+            if (out / above).exists() and not (out / above).is_dir():
+                raise ValueError(f"{out / above} is a file, where the setup needs a "
+                                 "directory; move it away")
+        if dst.is_dir() or (dst.exists() and not overwrite):
+            raise ValueError(f"{out} already holds {dst.relative_to(out)}; pass --overwrite "
+                             "to replace it, or choose another directory")
+    for src in files:
+        dst = out / src.relative_to(stage)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(src, dst)
+    shutil.rmtree(stage)
+
+
 @_one_line
 def cmd_server_init(args) -> int:
-    """A CA, server certificate, tokens, registry, task.json and per-client data files."""
+    """A CA, server certificate, tokens, registry, task.json and per-client data files,
+    written beside DIR and moved into it only when all of them are made."""
+    aggregator = _aggregator_spec(args.aggregator)
+    out = Path(args.dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; name a directory for the setup")
+    if (out / "registry.json").exists() and not args.overwrite:
+        raise ValueError(f"{out} already holds a setup; pass --overwrite to replace it")
+    with _staged(out, args.overwrite) as stage:
+        _write_setup(stage, args, aggregator)
+    print(f"wrote ca.pem, server.pem/.key, registry.json, tokens/0..{args.clients - 1}"
+          f".token, task.json and data/client_*.npz, data/test.npz in {out}")
+    return 0
+
+
+def _write_setup(out: Path, args, aggregator) -> None:
     import numpy as np
 
     from fedax.runtime import Task, make_dev_pki
 
-    aggregator = _aggregator_spec(args.aggregator)
-    out = Path(args.dir)
-    if (out / "registry.json").exists() and not args.overwrite:
-        raise ValueError(f"{out} already holds a setup; pass --overwrite to replace it")
     hosts = [h for h in args.hosts.split(",") if h]
-    pki = make_dev_pki(out, args.clients, hosts)
+    make_dev_pki(out, args.clients, hosts)
     if args.dataset == "synthetic":
         from fedax.data import synthetic
 
@@ -105,9 +195,6 @@ def cmd_server_init(args) -> int:
         np.savez(out / "data" / f"client_{k}.npz", x=x.astype(np.float32), y=y.astype(np.int32))
     np.savez(out / "data" / "test.npz", x=x_test.astype(np.float32), y=y_test.astype(np.int32))
     (out / "task.json").write_text(json.dumps(json.loads(task.to_json()), indent=1) + "\n")
-    print(f"wrote {pki['ca']}, server.pem/.key, registry.json, tokens/0..{args.clients - 1}"
-          f".token, task.json and data/client_*.npz, data/test.npz in {out}")
-    return 0
 
 
 def _server_config(args):
@@ -125,6 +212,7 @@ def _server_config(args):
 def cmd_server_start(args) -> int:
     import time
 
+    _quiet_grpc(args)
     from fedax.runtime import Registry, Server, ServerTLS, Task
 
     _logging("server")
@@ -169,6 +257,7 @@ def _evaluator(task, x, y):
 
 @_one_line
 def cmd_server_status(args) -> int:
+    _quiet_grpc(args)
     from fedax.runtime import ClientTLS, server_status
 
     status = server_status(args.server, ClientTLS(args.ca, args.server_name),
@@ -179,13 +268,14 @@ def cmd_server_status(args) -> int:
 
 @_one_line
 def cmd_client(args) -> int:
+    _quiet_grpc(args)
     from fedax.runtime import Client, ClientConfig, ClientTLS, read_token
 
     _logging(f"client {args.id}")
     x, y = _data_file(args.data)
     config = ClientConfig(args.server, args.id, read_token(args.token_file),
                           ClientTLS(args.ca, args.server_name), state_dir=args.state_dir,
-                          reconnect_s=args.reconnect_s)
+                          reconnect_s=args.reconnect_s, connect_s=args.connect_s)
     rounds = Client(config, x, y).run()
     accepted = sum(1 for r in rounds if r[2])
     print(f"fedax client {args.id}: done; {accepted} of {len(rounds)} reports accepted",
@@ -268,6 +358,10 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     client.add_argument("--token-file", required=True)
     client.add_argument("--data", required=True, help="an .npz with this client's x and y")
     client.add_argument("--state-dir", help="per-client state (SCAFFOLD's c_i) lives here")
+    client.add_argument("--connect-s", type=float, default=15.0,
+                        help="at the start, give up when the server cannot be reached "
+                             "within this long, retrying after 1, 2, 4, 4... s (default 15)")
     client.add_argument("--reconnect-s", type=float, default=60.0,
-                        help="give up after the server is unreachable this long")
+                        help="once joined, give up after the server is unreachable this "
+                             "long (default 60)")
     client.set_defaults(func=cmd_client)

@@ -19,7 +19,8 @@ import importlib
 _NAMES = {  # name -> the module that defines it; loaded on first use (PEP 562), so a
     # light client stub (``fedax.runtime.client.Connection``) does not load JAX
     "Client": "client", "ClientConfig": "client", "Connection": "client",
-    "Refused": "client", "local_batches": "client", "server_status": "client",
+    "Refused": "client", "Unreachable": "client", "local_batches": "client",
+    "server_status": "client",
     "ClientTLS": "security", "Registry": "security", "ServerTLS": "security",
     "make_dev_pki": "security", "read_token": "security",
     "RoundFailed": "server", "Server": "server", "ServerConfig": "server",
@@ -47,6 +48,7 @@ __all__ = [
     "ServerConfig",
     "ServerTLS",
     "Task",
+    "Unreachable",
     "build",
     "local_batches",
     "make_dev_pki",

@@ -1,11 +1,11 @@
 """A fedax client: its own data, its own per-client state, the algorithm's client piece.
 
-The client pulls (Flower's SuperNodes do the same, papers.md §13): it calls ``Join`` once
-(the server answers with the task), then ``Poll``s; when it is selected the poll streams
-the task (payload, round id, model version, nonce), the client runs ``client_step``
-(jit-compiled: the algorithm's ``client_update`` on its own batches and state, then the
-aggregator's client stage) and streams its report back with ``Submit``. It never sends its
-data or its per-client state.
+The client pulls (Flower's SuperNodes do the same; docs/references.md, deployment runtime): it calls
+``Join`` once (the server answers with the task), then ``Poll``s; when it is selected the poll
+streams the task (payload, round id, model version, nonce), the client runs ``client_step``
+(jit-compiled: the algorithm's ``client_update`` on its own batches and state, then the aggregator's
+client stage) and streams its report back with ``Submit``. It never sends its data or its per-client
+state.
 
 Round t's batches are ``make_cohort`` of the client's own examples with
 ``default_rng([seed, t, client_id])`` (``local_batches``): a pure function of what the
@@ -17,6 +17,14 @@ state after the last report the server aggregated; a new report's state waits in
 (``included_round``/``included_attempt``); if the round closed without it (a retry, a
 late or refused report), it is dropped. So a client that crashes, or a round that is
 retried, never leaves the client's state ahead of the server's.
+
+Reaching the server: before its first ``Join`` the client checks the address itself
+(``security.probe``: a TCP connection and a TLS handshake verified against its CA), so a
+wrong port, an unknown host or a certificate its CA did not sign is named at once, and
+gRPC never attempts a handshake that cannot succeed. It retries with backoff (1, 2, 4, 4,
+... s), logging one line per retry, until ``connect_s`` has passed; a certificate that
+does not verify is not retried. Then it raises ``Unreachable``: ``cannot connect to
+HOST:PORT: <cause>; <what to do>``.
 
 ``Connection`` is the thin RPC layer (TLS channel, token metadata, chunked streams); the
 load test's light client stubs and ``fedax status`` use it directly.
@@ -37,7 +45,7 @@ import grpc
 import numpy as np
 
 from fedax.runtime import wire
-from fedax.runtime.security import ClientTLS, metadata
+from fedax.runtime.security import ClientTLS, Problem, metadata, probe
 
 log = logging.getLogger("fedax.runtime.client")
 
@@ -47,6 +55,39 @@ PENDING = "pending_state.msgpack"
 
 class Refused(PermissionError):
     """The server refused this client (unknown, wrong token or revoked)."""
+
+
+class Unreachable(ConnectionError):
+    """The server cannot be reached: ``cannot connect to ADDRESS: CAUSE; FIX``."""
+
+    def __init__(self, address: str, cause: str, fix: str):
+        super().__init__(f"cannot connect to {address}: {cause}; {fix}")
+        self.address, self.cause, self.fix = address, cause, fix
+
+
+def _grpc_problem(err: grpc.RpcError, address: str) -> Problem:
+    """``(cause, fix, worth retrying)`` from a failed call's status (when ``probe`` could
+    not look: a proxy, a ``dns:///`` target, or the server went away after it looked)."""
+    code = err.code()
+    details = " ".join((err.details() or "").split())
+    low = details.lower()
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return (f"the server there is not a fedax server ({details})",
+                "check the port in the server address (--server)", False)
+    if "connection refused" in low:
+        return "connection refused", "check that the server runs and the port", True
+    if "resolv" in low or "dns" in low or "domain name not found" in low:
+        return (f"unknown host ({details[:200]})",
+                "check the host name in the server address (--server)", True)
+    if "certificate" in low:
+        return (f"TLS verification failed ({details[-200:]})",
+                "pass the CA that signed the server's certificate with --ca, and connect by "
+                "a name the certificate lists (or pass --server-name)", False)
+    if "handshake" in low or "ssl" in low or "tls" in low:
+        return (f"TLS handshake failed ({details[-200:]})",
+                f"check that {address} is a fedax server's port (it speaks TLS only)", True)
+    return (f"{code.name}: {details[:200]}" if details else code.name,
+            "check that the server runs and the address", True)
 
 
 class Connection:
@@ -100,9 +141,16 @@ class Connection:
 def server_status(address: str, tls: ClientTLS, timeout_s: float = 5.0) -> dict[str, Any]:
     """The server's status (state, rounds done, alive clients, the open round, the last
     round's log); needs TLS, no client token."""
+    problem = probe(address, tls, timeout_s)
+    if problem is not None:
+        raise Unreachable(address, *problem[:2])
     conn = Connection(address, tls, 0, "", timeout_s=timeout_s)
     try:
         return conn.status()
+    except grpc.RpcError as err:
+        if err.code() not in _RETRY + (grpc.StatusCode.UNIMPLEMENTED,):
+            raise
+        raise Unreachable(address, *_grpc_problem(err, address)[:2]) from None
     finally:
         conn.close()
 
@@ -165,7 +213,10 @@ class ClientConfig:
       tls: the CA to trust (``ClientTLS``).
       state_dir: where the per-client state and the client's secret training seed live
         (needed by algorithms with per-client state or keyed client updates).
-      reconnect_s: give up after this many seconds without reaching the server.
+      connect_s: at the start, give up after trying to reach the server this long
+        (default: ``reconnect_s``); one log line per retry.
+      reconnect_s: once joined, give up after this many seconds without reaching the
+        server (a server restart within it is invisible to the client).
       max_message_bytes: refuse a larger task from the server.
     """
 
@@ -175,6 +226,7 @@ class ClientConfig:
     tls: ClientTLS
     state_dir: str | None = None
     reconnect_s: float = 30.0
+    connect_s: float | None = None
     max_message_bytes: int = 256 << 20
     timeout_s: float = 30.0
 
@@ -188,8 +240,9 @@ class Client:
     """A client over its own examples ``x``, ``y`` (see the module docstring).
 
     ``run()`` returns when the server says the run is done (or ``stop`` is set); it raises
-    ``Refused`` if the server refuses the credentials and ``ConnectionError`` if the server
-    stays unreachable for ``reconnect_s``.
+    ``Refused`` if the server refuses the credentials and ``Unreachable`` (a
+    ``ConnectionError``) if the server cannot be reached within ``connect_s`` at the start,
+    or for ``reconnect_s`` later, naming the cause.
     """
 
     def __init__(self, config: ClientConfig, x: np.ndarray, y: np.ndarray,
@@ -265,27 +318,75 @@ class Client:
 
     # ----------------------------------------------------------------------- loop
 
+    def _refused(self, err: grpc.RpcError) -> Refused:
+        return Refused(f"the server refused client {self.config.client_id}: {err.details()}")
+
+    def _connect(self, conn: Connection) -> Any:
+        """The first ``Join``'s reply (``None`` if ``stop`` was set first): ``probe`` the
+        address, then join; on failure log the cause and retry after 1, 2, 4, 4, ... s
+        while ``connect_s`` lasts, then raise ``Unreachable``. A certificate that does
+        not verify, or a server that is not a fedax server, is not retried."""
+        cfg = self.config
+        limit = cfg.reconnect_s if cfg.connect_s is None else cfg.connect_s
+        start, wait, tries = time.monotonic(), 1.0, 0
+        while not self.stop.is_set():
+            tries += 1
+            left = limit - (time.monotonic() - start)
+            problem = probe(cfg.address, cfg.tls, timeout_s=min(max(left, 1.0), 5.0))
+            if problem is None:
+                try:
+                    return conn.join()
+                except grpc.RpcError as err:
+                    code = err.code()
+                    if code == grpc.StatusCode.UNAUTHENTICATED:
+                        raise self._refused(err) from None
+                    if code not in _RETRY + (grpc.StatusCode.UNIMPLEMENTED,):
+                        raise
+                    problem = _grpc_problem(err, cfg.address)
+            cause, fix, retry = problem
+            elapsed = time.monotonic() - start
+            if not retry or elapsed >= limit - 0.1:
+                if tries > 1:
+                    cause = f"{cause}, {tries} tries in {elapsed:.0f} s"
+                raise Unreachable(cfg.address, cause, fix)
+            pause = min(wait, limit - elapsed)
+            log.warning("client %d: cannot connect to %s: %s; retrying in %g s",
+                        cfg.client_id, cfg.address, cause, round(pause, 1))
+            self.stop.wait(pause)
+            wait = min(wait * 2, 4.0)
+        return None
+
     def _call(self, fn, *args):
         """``fn(*args)``, reconnecting through transient failures for ``reconnect_s``."""
-        start, wait = time.monotonic(), 0.05
+        cfg = self.config
+        start, wait, lost = time.monotonic(), 0.05, False
         while True:
             try:
-                return fn(*args)
+                out = fn(*args)
+                if lost:
+                    log.info("client %d: reached %s again", cfg.client_id, cfg.address)
+                return out
             except grpc.RpcError as err:
                 code = err.code()
                 if code == grpc.StatusCode.UNAUTHENTICATED:
-                    raise Refused(f"the server refused client {self.config.client_id}: "
-                                  f"{err.details()}") from None
+                    raise self._refused(err) from None
                 if code not in _RETRY or self.stop.is_set():
                     raise
-                if time.monotonic() - start > self.config.reconnect_s:
-                    raise ConnectionError(
-                        f"server {self.config.address} unreachable for "
-                        f"{self.config.reconnect_s:g} s ({code.name}); check that it runs "
-                        "and the address") from None
+                failure: grpc.RpcError | wire.WireError = err
             except wire.WireError as err:  # a poll stream cut short: the server went away
-                if time.monotonic() - start > self.config.reconnect_s:
-                    raise ConnectionError(f"server {self.config.address}: {err}") from None
+                failure = err
+            if time.monotonic() - start > cfg.reconnect_s:
+                problem = probe(cfg.address, cfg.tls) or (
+                    _grpc_problem(failure, cfg.address) if isinstance(failure, grpc.RpcError)
+                    else (str(failure), "check that the server runs", True))
+                raise Unreachable(cfg.address, f"{problem[0]} (for {cfg.reconnect_s:g} s)",
+                                  problem[1]) from None
+            if not lost:
+                lost = True
+                log.warning("client %d: lost %s (%s); reconnecting for up to %g s",
+                            cfg.client_id, cfg.address,
+                            failure.code().name if isinstance(failure, grpc.RpcError)
+                            else failure, cfg.reconnect_s)
             self.stop.wait(wait)
             wait = min(wait * 2, 1.0)
 
@@ -295,7 +396,9 @@ class Client:
                           timeout_s=cfg.timeout_s)
         self._conn = conn
         try:
-            reply = self._call(conn.join)
+            reply = self._connect(conn)
+            if reply is None:
+                return self.rounds
             b = _built(reply.task_json)
             conn.chunk_bytes = min(conn.chunk_bytes, int(reply.chunk_bytes) or conn.chunk_bytes)
             self._warm_up(b)

@@ -6,9 +6,9 @@ client fails its handshake. Clients authenticate with a bearer token sent as gRP
 on every call (``fedax-client-id``, ``fedax-token``), over that TLS channel. The server
 keeps a registry file mapping each client id to the SHA-256 of its token and a ``revoked``
 flag; an unknown id, a wrong token or a revoked client is refused with
-``UNAUTHENTICATED`` before anything else happens. (Flower's SuperNode authentication signs
-a timestamp with an EC key registered at the SuperLink instead, papers.md §13; a token is
-the simpler of the two the issue allows, and the registry stores no secret.)
+``UNAUTHENTICATED`` before anything else happens. (Flower's SuperNode authentication signs a
+timestamp with an EC key registered at the SuperLink instead; docs/references.md, deployment
+runtime. A token is the simpler of the two the issue allows, and the registry stores no secret.)
 
 ``make_dev_pki`` writes a CA, a server certificate for the given host names and a token per
 client with ``cryptography``; use it for tests and for a first run on one machine, and a
@@ -189,6 +189,93 @@ def make_dev_pki(directory: str | os.PathLike[str], num_clients: int,
     return {"ca": str(out / "ca.pem"), "cert": str(out / "server.pem"),
             "key": str(out / "server.key"), "registry": str(out / "registry.json"),
             "tokens": tokens}
+
+
+# A failed connection's (cause, what to do, worth retrying); see ``probe``.
+Problem = tuple[str, str, bool]
+
+_PROXY_VARS = ("grpc_proxy", "https_proxy", "http_proxy")
+
+
+def split_address(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a plain ``host:port`` / ``[v6]:port`` address; ``None`` for
+    anything else gRPC accepts (``dns:///...``, ``unix:...``, no port)."""
+    if "/" in address or address.startswith(("unix:", "ipv4:", "ipv6:", "vsock:")):
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        return None
+    return host, int(port)
+
+
+def probe(address: str, tls: ClientTLS, timeout_s: float = 5.0) -> Problem | None:
+    """Why a client cannot reach a TLS server at ``address``, or ``None`` if it can.
+
+    A plain TCP connection and a TLS handshake (Python's ``ssl``, ALPN h2) verified against
+    ``tls.ca`` and ``tls.server_name`` (else the address's host), as gRPC verifies it; it
+    tells apart an unknown host, a refused connection, no answer, and a certificate that is
+    not signed by the CA or not valid for the name, which gRPC reports only as
+    ``UNAVAILABLE`` (after logging the handshake from its C core). Returns ``(cause, what
+    to do, worth retrying)``. ``None`` too when the address is not a plain ``host:port``
+    or a proxy is configured (gRPC would connect through it): the caller then relies on
+    gRPC's own error."""
+    import socket
+    import ssl
+
+    parts = split_address(address)
+    if parts is None or any(os.environ.get(v) or os.environ.get(v.upper())
+                            for v in _PROXY_VARS):
+        return None
+    host, port = parts
+    ca = _read(tls.ca, "CA certificate")
+    try:
+        context = ssl.create_default_context(cadata=ca.decode())
+    except (ssl.SSLError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"the CA certificate {tls.ca!r} is not a PEM certificate ({err}); "
+                         "pass the ca.pem of the server's setup") from None
+    context.set_alpn_protocols(["h2"])
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except socket.gaierror as err:
+        return (f"unknown host {host!r} ({err.strerror})",
+                "check the host name in the server address (--server)", True)
+    except ConnectionRefusedError:
+        return ("connection refused",
+                f"check that the server runs and listens on port {port}", True)
+    except TimeoutError:
+        return (f"no answer within {timeout_s:g} s",
+                f"check the address and that no firewall blocks port {port}", True)
+    except OSError as err:
+        return ((err.strerror or str(err)).lower(), "check the address and the network", True)
+    name = tls.server_name or host
+    with sock:
+        try:
+            with context.wrap_socket(sock, server_hostname=name):
+                pass
+        except ssl.SSLCertVerificationError as err:
+            if err.verify_code in (62, 64):  # X509_V_ERR_HOSTNAME_MISMATCH, _IP_ADDRESS_
+                return (f"TLS verification failed: the server's certificate is not valid "
+                        f"for {name!r}", "connect by a name the certificate lists (fedax "
+                        "server init --hosts) or pass that name with --server-name", False)
+            if err.verify_code in (9, 10):  # X509_V_ERR_CERT_NOT_YET_VALID, _HAS_EXPIRED
+                return (f"TLS verification failed: {err.verify_message}",
+                        "renew the server's certificate (or check this machine's clock)",
+                        False)
+            return (f"TLS verification failed: {err.verify_message} (the server's "
+                    f"certificate is not signed by the CA in {str(tls.ca)!r})",
+                    "pass the CA that signed the server's certificate with --ca (fedax "
+                    "server init writes it as ca.pem)", False)
+        except (ssl.SSLError, OSError) as err:
+            reason = getattr(err, "reason", None) or err.strerror or str(err) or type(
+                err).__name__
+            return (f"TLS handshake failed ({str(reason).lower()})",
+                    f"check that {address} is a fedax server's port (it speaks TLS only)",
+                    True)
+    return None
 
 
 def read_token(path: str | os.PathLike[str]) -> str:

@@ -1,6 +1,7 @@
 """The fedax server: the algorithm's server state and the round schedule, over gRPC + TLS.
 
-Round t, attempt a (Bonawitz et al. 2019's selection / reporting phases; papers.md §13):
+Round t, attempt a (Bonawitz et al. 2019's selection / reporting phases; docs/references.md,
+deployment runtime):
 
 1. **Selection.** Once ``min_clients`` clients are alive (polled within ``liveness_s``),
    the server picks ``ceil(cohort_size · (1 + over_selection))`` of them with

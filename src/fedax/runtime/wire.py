@@ -38,7 +38,8 @@ count that differs is an error naming it. Nothing is unpickled and no code or ob
 from the wire. A large ``Envelope`` is cut into ``Chunk``s (``chunks``) of at most
 ``chunk_bytes`` each, streamed, and joined again by the receiver (``join_chunks``) up to its
 own size limit, so models far above gRPC's per-message limit travel in pieces (Flower cuts
-arrays at 5 MiB, ``FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE``; papers.md §13).
+arrays at 5 MiB, ``FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE``; docs/references.md, deployment
+runtime).
 
 This module imports numpy and protobuf only, not JAX.
 """
