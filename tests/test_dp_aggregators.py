@@ -1,7 +1,7 @@
-"""The DP aggregators (``dp_gaussian``, ``dp_adaptive_gaussian``, ``adaclip``) against
-independent references: NumPy re-implementations of papers.md §6 and §8, the sensitivity
-bound, a chi-square test of the noise scale, the analytic quantile of a known norm
-distribution, and one DP round inside FedAvg under every execution strategy.
+"""The DP aggregators (``dp_gaussian``, ``dp_adaptive_gaussian``, ``adaclip``) against independent
+references: NumPy re-implementations of the papers' formulas (docs/references.md, differential
+privacy), the sensitivity bound, a chi-square test of the noise scale, the analytic quantile of a
+known norm distribution, and one DP round inside FedAvg under every execution strategy.
 
 Statistical tests use fixed seeds; each states its false-alarm rate (the probability that
 a correct implementation fails it on a random seed)."""
@@ -53,7 +53,8 @@ def as_leaves(values, k):
 
 
 def np_dp_gaussian(values, weights, clip, denominator, per_layer, cap=None):
-    """papers.md §8 f̃_f without noise: Σ_k w_k ClipFn(Δ_k, S) / D over w_k > 0."""
+    """DP-FedAvg's f̃_f (McMahan et al. 2018) without noise: Σ_k w_k ClipFn(Δ_k, S) / D
+    over w_k > 0."""
     total = [np.zeros(values["a"].shape[1:]), np.zeros(values["b"].shape[1:])]
     clipped = 0
     d = sum(leaf.size for leaf in as_leaves(values, 0))
@@ -226,7 +227,8 @@ def test_split_noise_multiplier_edges():
 
 
 def np_adaptive_round(values, weights, clip, m, gamma, eta, geometric=True):
-    """papers.md §6 without noise: clipped sum / m, b̄, the clip update."""
+    """Adaptive clipping (Andrew et al. 2021) without noise: clipped sum / m, b̄, the clip
+    update."""
     total = [np.zeros(values["a"].shape[1:]), np.zeros(values["b"].shape[1:])]
     below = 0.0
     for k, w in enumerate(weights):
@@ -326,7 +328,7 @@ def test_adaptive_noise_scales_and_rejected_clients():
 
 
 class NpAdaClip:
-    """papers.md §6 AdaCliP, federated form, written out in NumPy (float64): the scale
+    """AdaCliP (Pichapati et al. 2019), federated form, written out in NumPy (float64): the scale
     b_i = s_i^{1/4}(Σ_j s_j^{1/2})^{1/2}, whitening, unit clip, sum, noise, fixed
     denominator D, un-scaling, and the moment updates with v estimated per client (×D) and
     the noise variance of ĝ, b²(z/D)², subtracted."""

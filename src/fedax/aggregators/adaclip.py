@@ -6,9 +6,10 @@ s, a running per-coordinate variance estimate. The scale b is a function of s:
 
     b_i = s_i^{1/4} · (Σ_j s_j^{1/2})^{1/2}        (Σ over every coordinate of every leaf)
 
-(papers.md §6 [D]: minimising the added noise Σ_i b_i² subject to Σ_i v_i/b_i² ≤ 1, with
-v the per-coordinate variance, gives b_i = v_i^{1/4}(Σ_j v_j^{1/2})^{1/2}; s plays v). The
-third-party NumPy implementation papers.md cites computes b_i = √s_i·√(Σ_j s_j) instead,
+(derived here, not taken from the paper; docs/references.md, differential privacy:
+minimising the added noise Σ_i b_i² subject to Σ_i v_i/b_i² ≤ 1, with v the per-coordinate
+variance, gives b_i = v_i^{1/4}(Σ_j v_j^{1/2})^{1/2}; s plays v). A third-party NumPy
+implementation of AdaCliP computes b_i = √s_i·√(Σ_j s_j) instead,
 which is this formula only if s held standard deviations; the paper itself was not read.
 
 Each round, with D the fixed denominator (expected clients per round), z the noise
@@ -27,7 +28,7 @@ multiplier and the accepted clients k (weight > 0; all weigh 1):
 
    (b and m are functions of earlier noised outputs only, so they cost no privacy).
 
-Choices where papers.md §6 (written for one example per step) is silent or ambiguous,
+Choices where AdaCliP's formulas (written for one example per step) are silent or ambiguous,
 each reducing to its per-record formulas when D = 1:
 
 * σ in v is the std of the noise actually in w̃, z/D (the per-record form adds N(0, σ²) to

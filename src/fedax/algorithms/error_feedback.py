@@ -2,8 +2,8 @@
 
 Mem-SGD (Stich, Cordonnier, Jaggi, NeurIPS 2018) and EF-SGD (Karimireddy, Rebjock, Stich,
 Jaggi, ICML 2019) keep what the compressor dropped and add it back next time. In FL the
-residual e_k is client k's own state, like SCAFFOLD's c_k (papers.md §10): each round, for a
-participating client with update Δ_k,
+residual e_k is client k's own state, like SCAFFOLD's c_k (docs/references.md, compressed
+communication): each round, for a participating client with update Δ_k,
 
     p_k = Δ_k + e_k,      q_k = C(p_k),      e_k ← p_k − q_k,
 

@@ -1,7 +1,8 @@
 """Simulated attacks on federated learning: misbehaving clients, chosen by seed.
 
 A layer beside ``algorithms``/``aggregators``: it imports data, federated, aggregators and
-algorithms, never simulation or experiments. Two kinds (papers.md §9):
+algorithms, never simulation or experiments. Two kinds (docs/references.md, robust
+aggregation and attacks):
 
 * data-level (``data``): the attackers train honestly on corrupted data: label flipping,
   the MNIST backdoor trigger (and the inputs that measure its success rate);

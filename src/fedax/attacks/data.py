@@ -1,7 +1,7 @@
 """Data-level attacks: the attackers train honestly on corrupted data.
 
-* **Label flipping** (ByzFL's client, papers.md §9): every example of an attacker is
-  relabelled y' = (K − 1) − y, K the number of classes.
+* **Label flipping** (ByzFL's client; docs/references.md, robust aggregation and attacks):
+  every example of an attacker is relabelled y' = (K − 1) − y, K the number of classes.
 * **Backdoor** (Sun, Kairouz, Suresh, McMahan 2019's setting on MNIST digits, with a pixel
   trigger in the manner of Bagdasaryan et al.): a fraction of each attacker's examples gets
   the trigger, a white ``size × size`` square one pixel from the bottom-right corner, and

@@ -11,8 +11,9 @@ update. Per scheme: bits per coordinate of the uplink (the encoded message's byt
 last evaluations), rounds to the target accuracy and the total uplink bytes to reach it
 (rounds × clients a round × bytes a message).
 
-The qualitative claims checked (papers.md §10; no bits-vs-accuracy table of the papers was
-read, so the claims are the abstracts'): unbiased quantization at a few bits a coordinate
+The qualitative claims checked (docs/references.md, compressed communication: no
+bits-vs-accuracy table of the papers was read, so the claims are the abstracts'): unbiased
+quantization at a few bits a coordinate
 (QSGD at 4 bits, rotation at 2-4 bits) matches uncompressed accuracy; 16-bit casts cost
 nothing; top-k without error feedback loses accuracy and error feedback recovers it; and,
 in Suresh et al.'s own setting (distributed mean estimation, ``mean_estimation``), the

@@ -554,9 +554,9 @@ ADAPTIVE_NOTES = """
   30 rounds of FedAvg E = 1 in 119 s, reaching 16% accuracy), so 4 fixed clips and the
   adaptive clip at 3 noise levels for 500 rounds would take about 8 hours per seed here;
   it is left for a GPU machine.
-- The paper's text was not readable here (`papers.md` §6); the mechanism is from the
-  authors' TF Privacy / TFF code, and the "within about one point" criterion is the one
-  this reproduction was asked to test.
+- The paper's text was not readable here (docs/references.md, differential privacy); the
+  mechanism is from the authors' TF Privacy / TFF code, and the "within about one point"
+  criterion is the one this reproduction was asked to test.
 """
 
 
@@ -767,8 +767,9 @@ FEDAVG_NOTES = """
   for the Poisson-subsampled Gaussian with add-or-remove-one neighbours, the sampling the
   runs used. With fixed-size cohorts (replace-one neighbours) the RDP ε would be far
   larger (`fedax privacy epsilon --sampling fixed`).
-- The paper's text beyond the abstract was not readable here (`papers.md` §8); its
-  experiments are LSTM language models on Reddit-scale data, not MNIST.
+- The paper's text beyond the abstract was not readable here (docs/references.md,
+  differential privacy); its experiments are LSTM language models on Reddit-scale data,
+  not MNIST.
 """
 
 

@@ -4,8 +4,9 @@ accuracy for FedBuff, FedAsync and synchronous FedAvg on one virtual clock.
 Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022
 (arXiv 2106.06639): FedBuff reaches a target accuracy faster (in wall-clock time) than
 synchronous FL and with fewer client updates than FedAsync (3.3× / 2.5× in the AISTATS
-abstract; papers.md §11). Their experiments are on CelebA, Sent140 and CIFAR-10; this is
-the same comparison on MNIST 2NN, pathological non-IID (the issue's setting).
+abstract; docs/references.md, asynchronous aggregation). Their experiments are on CelebA,
+Sent140 and CIFAR-10; this is the same comparison on MNIST 2NN, pathological non-IID (the
+issue's setting).
 
 Every method runs the same FedAvg pieces (client SGD, E = 1, B = 10; the 2NN), the same
 client trips (block b of C trips is synchronous round b's cohort) and the same trip
@@ -353,11 +354,11 @@ def write_report(results: dict[str, Any], out: Path) -> str:
 
 NOTES = """## Notes
 
-- The paper's claims (AISTATS abstract): FedBuff is 3.3× more efficient than synchronous FL
-  and up to 2.5× more efficient than asynchronous FL (FedAsync). Which metric "efficient"
-  counts was not read (papers.md §11); here the first claim is read on virtual time and
-  the second on client updates. At equal concurrency FedBuff and FedAsync run the same
-  trips at the same virtual times, so for those two the two axes tell the same story.
+- The paper's claims (AISTATS abstract): FedBuff is 3.3× more efficient than synchronous FL and up
+  to 2.5× more efficient than asynchronous FL (FedAsync). Which metric "efficient" counts was not
+  read (docs/references.md, asynchronous aggregation); here the first claim is read on virtual time
+  and the second on client updates. At equal concurrency FedBuff and FedAsync run the same trips at
+  the same virtual times, so for those two the two axes tell the same story.
 - Synchronous FedAvg's disadvantage here is only the wait for the slowest client of each
   round (the maximum of C half-normal durations against their mean); FedBuff's cost is
   staleness, which grows with M/K (the runs table's mean staleness). Per client update,

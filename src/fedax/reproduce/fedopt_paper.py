@@ -1,7 +1,8 @@
 """Reddi et al. 2021 (Adaptive Federated Optimization): FedAvg, FedAvgM, FedAdagrad, FedAdam
 and FedYogi on Fashion-MNIST with a Dirichlet(0.1) label partition.
 
-Not one of the paper's tasks: its protocol (papers.md §5: E = 1, 10 clients a round, B = 20,
+Not one of the paper's tasks: its protocol (the authors' hyperparameter notes;
+docs/references.md, server optimizers: E = 1, 10 clients a round, B = 20,
 client SGD, the server optimizers applied to the mean client change, the mean accuracy over
 the last rounds as the metric) on a data set and model that run on a CPU. The per-method
 client learning rates, server-rate grids and τ come from the paper's EMNIST CR row (the
@@ -13,8 +14,9 @@ from __future__ import annotations
 from fedax.reproduce.framework import Cell, Experiment
 
 # method -> (algorithm, client lr, server lrs of the full grid, tau). EMNIST CR's best log10
-# values (papers.md §5): client -1 (FedAvg) / -1.5 (the others); server 0 / -0.5 / -1 /
-# -2.5 / -2.5; tau -2 (Adagrad) / -4 (Adam, Yogi). The grid is the best value x 10^(±1/2).
+# values (the authors' hyperparameter notes; docs/references.md, server optimizers): client
+# -1 (FedAvg) / -1.5 (the others); server 0 / -0.5 / -1 / -2.5 / -2.5; tau -2 (Adagrad) / -4
+# (Adam, Yogi). The grid is the best value x 10^(±1/2).
 METHODS = {
     "FedAvg": ("fedavg", 0.1, (0.316, 1.0, 3.16), None),
     "FedAvgM": ("fedavgm", 0.0316, (0.1, 0.316, 1.0), None),

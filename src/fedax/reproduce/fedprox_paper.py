@@ -1,7 +1,8 @@
 """Li et al. 2020 (FedProx), Figure 1's systems-heterogeneity experiment on Synthetic(1, 1):
 FedProx against FedAvg with 0%, 50% and 90% stragglers.
 
-The paper's settings (papers.md §7): 30 devices, 10 selected per round, E = 20 local epochs,
+The paper's settings (docs/references.md, client drift and heterogeneous data): 30 devices,
+10 selected per round, E = 20 local epochs,
 B = 10, learning rate 0.01 (tuned on FedAvg); at every round a fraction of the selected
 devices are stragglers that run x ~ U[1, E] epochs; FedAvg drops them, FedProx aggregates
 their partial work; μ ∈ {0.001, 0.01, 0.1, 1} (best μ per data set: 1, 1, 1, 0.001, 0.01,

@@ -1,5 +1,6 @@
-"""Robust aggregation under attack on MNIST (papers.md §9): aggregator × attack × attacker
-fraction, final test accuracy; and a boosted backdoor with and without norm bounding.
+"""Robust aggregation under attack on MNIST (docs/references.md, robust aggregation and attacks):
+aggregator × attack × attacker fraction, final test accuracy; and a boosted backdoor with and
+without norm bounding.
 
 Every run is an ordinary config run (``fedax.experiments.run``) with a ``robust:`` section
 (the aggregator; absent: FedAvg's weighted mean) and an ``attack:`` section, so each is a
@@ -284,7 +285,7 @@ def report(results: Mapping[str, Any]) -> str:
         f"(ν = 1e-6), norm bounding M = {results['norm_bound']:g}. Attacks: sign flip "
         "(−μ of the honest updates), Gaussian (σ = 1), ALIE (μ − z_max σ, Baruch et al.'s "
         "z_max from the cohort), IPM (−0.1 μ), label flip (y' = 9 − y), scaled (λ = clients "
-        "per round). Specifications: shared/reference/papers.md §9.", "",
+        "per round). Sources: docs/references.md, robust aggregation and attacks.", "",
         "## Final test accuracy", "",
         "| aggregator | " + " | ".join(c.replace("@", " f=") for c in columns) + " |",
         "|---|" + "---|" * len(columns)]
@@ -304,8 +305,9 @@ def report(results: Mapping[str, Any]) -> str:
         lines.append(f"- **{verdict}**: {c['claim']} ({c['source'].split(',')[0]} et al.). "
                      f"{c['evidence']}.")
     lines += ["", "Claims are the papers' qualitative statements (their abstracts; no table "
-              "numbers were read, papers.md §9); the thresholds are ours and stated in each "
-              "line. One seed, few rounds: differences of a point or two are noise.", "",
+              "numbers were read; docs/references.md, robust aggregation and attacks); the "
+              "thresholds are ours and stated in each line. One seed, few rounds: "
+              "differences of a point or two are noise.", "",
               f"Wall time {results['wall_time_s']:.0f} s on {results['machine']['cpus']} CPUs "
               f"({results['machine']['backend']}, JAX {results['machine']['jax']}).", ""]
     return "\n".join(lines)

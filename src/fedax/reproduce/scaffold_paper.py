@@ -1,11 +1,12 @@
 """Karimireddy et al. 2020 (SCAFFOLD), Table 3: rounds to 0.5 test accuracy, logistic
 regression, SCAFFOLD beside FedAvg, FedProx and SGD, with MNIST standing in for EMNIST.
 
-The paper's protocol (papers.md §4): N = 100 clients, 20% sampled per round, s% similarity
-(s% of each client's data IID, the rest sorted by label) for s ∈ {0, 10, 100}; the local
-methods take 5 steps per epoch (batch = 0.2 of the local data) for E ∈ {1, 5} here (the
-paper also has 10 and 20); SGD takes one step on the sampled clients' full data per round;
-η_g = 1, η_l tuned per cell, FedProx μ = 1, SCAFFOLD Option II.
+The paper's protocol (docs/references.md, client drift and heterogeneous data): N = 100
+clients, 20% sampled per round, s% similarity (s% of each client's data IID, the rest sorted
+by label) for s ∈ {0, 10, 100}; the local methods take 5 steps per epoch (batch = 0.2 of the
+local data) for E ∈ {1, 5} here (the paper also has 10 and 20); SGD takes one step on the
+sampled clients' full data per round; η_g = 1, η_l tuned per cell, FedProx μ = 1, SCAFFOLD
+Option II.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ _NOTES = f"""
 - Partition: SCAFFOLD's s-similarity (`fedax.data.similarity`): s% of the examples are
   dealt IID, the rest sorted by label and cut into 100 contiguous chunks, one per client, so
   every client has 600 examples (at s = 0%, one or two labels each).
-- Methods (papers.md §4): SGD = FedSGD (one step on the 20 sampled clients' full data, the
+- Methods (as in the paper): SGD = FedSGD (one step on the 20 sampled clients' full data, the
   n_k-weighted mean gradient); SCAFFOLD Option II with the paper's uniform 1/|S| average;
   FedAvg (n_k weights, equal here); FedProx with μ = 1; all with η_g = 1 (server SGD at lr
   1). Local methods: B = {LOCAL_BATCH} = 0.2·n_k, i.e. 5 steps per epoch.

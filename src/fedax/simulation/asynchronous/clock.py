@@ -1,8 +1,8 @@
 """The virtual clock of asynchronous simulation: client latencies and staleness weights.
 
 Latencies follow FLSim's training-duration distributions
-(``flsim/utils/timing/training_duration_distribution.py``; papers.md §11), drawn per client
-trip (one draw each time a client trains), seeded:
+(``flsim/utils/timing/training_duration_distribution.py``; docs/references.md,
+asynchronous aggregation), drawn per client trip (one draw each time a client trains), seeded:
 
 * ``constant``: every trip takes ``mean``;
 * ``half_normal`` (FLSim's PerUserHalfNormal): ``min + |N(0, sd²)|``;

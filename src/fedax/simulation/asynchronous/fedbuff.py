@@ -1,10 +1,10 @@
 """Asynchronous buffered aggregation on a virtual clock: FedBuff, FedAsync, and synchronous
 FedAvg measured on the same clock.
 
-FedBuff (Nguyen et al., AISTATS 2022, arXiv 2106.06639; FLSim's ``FedBuffAggregator``,
-papers.md §11). ``concurrency`` M clients train at every moment (a closed loop: when a
-client's trip ends, a new client starts at that instant). A client downloads the current
-model w_v (version v) and returns Δ_i = w_v − w_i (the algorithm's own ``client_update``,
+FedBuff (Nguyen et al., AISTATS 2022, arXiv 2106.06639; FLSim's ``FedBuffAggregator``;
+docs/references.md, asynchronous aggregation). ``concurrency`` M clients train at every moment (a
+closed loop: when a client's trip ends, a new client starts at that instant). A client downloads the
+current model w_v (version v) and returns Δ_i = w_v − w_i (the algorithm's own ``client_update``,
 unchanged). When it arrives, the server is at version v' ≥ v; its staleness is
 τ_i = v' − v, and it goes into the buffer (unless it is not finite, or τ_i exceeds
 ``max_staleness``: then it is dropped and counted). When K = ``buffer_size`` updates are
