@@ -60,8 +60,8 @@ def test_pld_equals_the_direct_dp_accounting_call():
 
 
 def test_the_worked_figures():
-    """The worked examples of /work/shared/reference/papers.md §8, "ε from dp_accounting"
-    (google/differential-privacy ``python/dp_accounting``, release 0.6.0, run there):
+    """Worked examples computed with dp-accounting itself (google/differential-privacy
+    ``python/dp_accounting``, release 0.6.0; docs/references.md, differential privacy):
     Poisson sampling, add-or-remove-one neighbours, one Gaussian per round.
     RDP ε(q=0.01, z=1, T=1000, δ=1e-5) = 2.1014 (optimal order 7.8), PLD 1.8282; RDP
     1.4454 (q=0.001, T=1000, δ=1e-9), 0.5861 (q=1e-4, T=2000, δ=1e-6), 0.9555 (q=0.01,
@@ -241,16 +241,17 @@ def test_delta_not_below_one_over_n_warns():
 
 def test_command_prints_epsilon_and_what_it_assumes(tmp_path):
     done = run_fedax("privacy", "epsilon", "--q", "0.01", "--z", "1.0", "--rounds", "1000",
-                     "--delta", "1e-5", cwd=tmp_path, timeout=120)
+                     "--delta", "1e-5", "--sampling", "poisson", cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
-    first, second = done.stdout.strip().splitlines()
+    first, sampling, second = done.stdout.strip().splitlines()
     assert first == "epsilon = 2.10137 at delta = 1e-05 after 1000 rounds"
+    assert sampling.startswith("sampling: Poisson")
     assert second.startswith("assumes: RDP accountant") and "Poisson sampling" in second
 
 
 def test_command_a_bad_flag_is_one_line(tmp_path):
     done = run_fedax("privacy", "epsilon", "--q", "2", "--z", "1.0", "--rounds", "10",
-                     "--delta", "1e-5", cwd=tmp_path, timeout=120)
+                     "--delta", "1e-5", "--sampling", "poisson", cwd=tmp_path, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert "Traceback" not in done.stderr
     assert done.stderr.strip() == ("fedax: error: --q must be in (0, 1] (the fraction of "
@@ -259,16 +260,16 @@ def test_command_a_bad_flag_is_one_line(tmp_path):
 
 def test_command_in_process(capsys):
     assert main(["privacy", "epsilon", "--q", "0.01", "--z", "1", "--rounds", "1000",
-                 "--delta", "1e-5", "--accountant", "pld"]) == 0
+                 "--delta", "1e-5", "--accountant", "pld", "--sampling", "poisson"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert float(first.split()[2]) == pytest.approx(1.8282, abs=2e-3)
     assert main(["privacy", "noise", "--q", "0.01", "--epsilon", "2", "--rounds", "1000",
-                 "--delta", "1e-5"]) == 0
+                 "--delta", "1e-5", "--sampling", "poisson"]) == 0
     out = capsys.readouterr().out
     z = float(out.split()[4])
     assert z >= noise_multiplier_for(2.0, 0.01, 1000, 1e-5)
     assert epsilon(z, 0.01, 1000, 1e-5) <= 2.0
-    assert out.splitlines()[1].startswith("assumes: RDP accountant")
+    assert out.splitlines()[2].startswith("assumes: RDP accountant")
     bad = [["privacy", "epsilon", "--q", "0.01", "--z", "x", "--rounds", "1", "--delta", "0.1"],
            ["privacy", "noise", "--q", "0.01", "--rounds", "1", "--delta", "1e-5"],
            ["privacy", "epsilon", "--q", "0.01", "--z", "1", "--rounds", "1", "--delta", "1e-5",

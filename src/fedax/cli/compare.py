@@ -1,5 +1,6 @@
 """``fedax compare RUN_DIR...``: several runs' curves in one figure, and a markdown table of
-their rounds to target (``fedax.experiments.compare``)."""
+their rounds to target, each row naming its run's setting (algorithm, DP, compression, robust
+rule) and a DP run's ε and δ (``fedax.experiments.compare``)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def add_command(sub, common: argparse.ArgumentParser) -> None:
     """Adds ``fedax compare`` to the ``fedax`` command's subparsers."""
     compare = sub.add_parser(
         "compare", parents=[common],
-        help="several runs' curves in one figure, with their rounds to target")
+        help="several runs' curves in one figure, with their rounds to target, settings and "
+             "(DP runs) epsilon")
     compare.add_argument("runs", nargs="+", metavar="RUN_DIR",
                          help="run directories (each with metrics.jsonl)")
     compare.add_argument("--target", type=float, metavar="ACC",

@@ -7,6 +7,11 @@ question users ask most: which setting reached the target in fewer rounds. The t
 ``target`` if given, else the runs' own ``target_accuracy`` when they all share one.
 ``metric`` may be any per-evaluation accuracy, e.g. ``client_accuracy_worst10`` (runs with
 ``per_client_eval``): the target is then read on that curve.
+
+Each row names its run's setting from the summary's config (``setting``: the algorithm and
+what changes its aggregate: DP, compression, a robust rule, attackers, e.g. ``fedavg + dp
+gaussian (z=1, fixed)``), and a DP run's ε and δ from the summary's ``privacy`` section
+(``—`` for a run without DP; ``∞`` for one whose ε has no bound, z = 0).
 """
 
 from __future__ import annotations
@@ -66,22 +71,91 @@ def _shared_target(runs: Sequence[RunCurve]) -> float | None:
     return targets.pop() if len(targets) == 1 else None
 
 
+def _number(value) -> str:
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
+def _options(pairs) -> str:
+    """`` (a, b)`` of the pairs whose value is given, or ``""``."""
+    given = [f"{name}{_number(value)}" for name, value in pairs
+             if value is not None and value is not False]
+    return f" ({', '.join(given)})" if given else ""
+
+
+def setting(summary: dict[str, Any] | None) -> str:
+    """A run's setting in a few words, from its summary: the algorithm, then each part that
+    changes its aggregate (``+ dp gaussian (z=1, fixed)``, ``+ qsgd (s=4)``, ``+ median``,
+    ``+ attack label_flip (fraction 0.1)``); ``—`` without a summary's config."""
+    summary = summary or {}
+    config = summary.get("config") or {}
+    if not config:
+        return "—"
+    parts = [str(config.get("algorithm", "?"))]
+    privacy = config.get("privacy")
+    if privacy:
+        # the z the run used (calibrated to target_epsilon if not given) is the summary's
+        z = (summary.get("privacy") or {}).get("noise_multiplier",
+                                                privacy.get("noise_multiplier"))
+        budget = None if z is not None else privacy.get("target_epsilon")
+        if privacy.get("level") == "example":
+            parts.append("dp-sgd example-level" + _options([("z=", z), ("target ε=", budget)]))
+        else:
+            parts.append(f"dp {privacy.get('mechanism', '?')}" + _options(
+                [("z=", z), ("target ε=", budget), ("", privacy.get("sampling"))]))
+    compression = config.get("compression")
+    if compression:
+        parts.append(str(compression.get("scheme", "?")) + _options(
+            [("s=", compression.get("levels")), ("bits=", compression.get("bits")),
+             ("fraction ", compression.get("fraction")),
+             ("", "error feedback" if compression.get("error_feedback") else None)]))
+    robust = config.get("robust")
+    if robust:
+        parts.append(str(robust.get("rule", "?")) + _options(
+            [("β=", robust.get("beta")), ("f=", robust.get("byzantine")),
+             ("keep ", robust.get("keep")), ("M=", robust.get("norm_bound")),
+             ("noise ", robust.get("noise_stddev")), ("clip ", robust.get("clip"))]))
+    attack = config.get("attack")
+    if attack:
+        parts.append(f"attack {attack.get('kind', '?')}"
+                     + _options([("fraction ", attack.get("fraction"))]))
+    return " + ".join(parts)
+
+
+def privacy_cells(summary: dict[str, Any] | None) -> tuple[str, str]:
+    """A run's ε and δ as the table shows them: ``—`` without DP, ``∞`` where ε has no
+    bound (z = 0; the summary's ε is null), else ε rounded up to 4 significant digits
+    (never understated)."""
+    privacy = (summary or {}).get("privacy")
+    if not privacy:
+        return "—", "—"
+    eps = privacy.get("epsilon")
+    delta = privacy.get("delta")
+    delta = "—" if delta is None else _number(delta)
+    if eps is None or not math.isfinite(eps):
+        return "∞", delta
+    if eps == 0:
+        return "0", delta
+    scale = 10 ** (3 - math.floor(math.log10(abs(eps))))
+    return f"{math.ceil(eps * scale) / scale:g}", delta
+
+
 def comparison_table(runs: Sequence[RunCurve], target: float | None,
                      metric: str = "test_accuracy") -> str:
-    """The markdown table: one row per run, with its rounds to ``target`` on ``metric``."""
-    head = ["run", "algorithm", "rounds run", f"final {metric}", f"best {metric}",
-            "rounds to target" if target is None else f"rounds to {target:g}"]
+    """The markdown table: one row per run, with its setting, its rounds to ``target`` on
+    ``metric``, and its ε and δ (DP runs)."""
+    head = ["run", "setting", "rounds run", f"final {metric}", f"best {metric}",
+            "rounds to target" if target is None else f"rounds to {target:g}", "ε", "δ"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for run in runs:
         rounds, accs = _points(run.records, metric)
-        config = (run.summary or {}).get("config") or {}
         reached = rounds_to_target(rounds, accs, target) if target is not None and accs \
             else None
-        cells = [f"`{run.label}`", str(config.get("algorithm", "—")),
+        cells = [f"`{run.label}`", setting(run.summary),
                  str(run.records[-1]["round"]) if run.records else "0",
                  f"{accs[-1]:.4f}" if accs else "—", f"{max(accs):.4f}" if accs else "—",
                  "—" if target is None else ("not reached" if reached is None
-                                             else f"{reached:.1f}")]
+                                             else f"{reached:.1f}"),
+                 *privacy_cells(run.summary)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -12,8 +12,11 @@ accountant for ε. Nothing here imports JAX or the rest of fedax.
 
 from fedax.privacy.accounting import (
     ACCOUNTANTS,
+    MAX_NOISE_MULTIPLIER,
     SAMPLINGS,
     ExampleLevelLedger,
+    NoiseSearch,
+    NoiseSearchWarning,
     PrivacyLedger,
     adaptive_clip_noise_multipliers,
     describe,
@@ -21,12 +24,16 @@ from fedax.privacy.accounting import (
     effective_noise_multiplier,
     epsilon,
     noise_multiplier_for,
+    search_noise_multiplier,
 )
 
 __all__ = [
     "ACCOUNTANTS",
+    "MAX_NOISE_MULTIPLIER",
     "SAMPLINGS",
     "ExampleLevelLedger",
+    "NoiseSearch",
+    "NoiseSearchWarning",
     "PrivacyLedger",
     "adaptive_clip_noise_multipliers",
     "describe",
@@ -34,4 +41,5 @@ __all__ = [
     "effective_noise_multiplier",
     "epsilon",
     "noise_multiplier_for",
+    "search_noise_multiplier",
 ]
