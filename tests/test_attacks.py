@@ -1,7 +1,7 @@
-"""Attacks (``fedax.attacks``) against the NumPy formulas of papers.md §9: attackers chosen by
-seed, the update attacks on hand-made client-placed updates (padding clients, whose id may
-equal an attacker's, never attack; honest clients are never touched), Baruch et al.'s z_max,
-the data attacks, and attacked FedAvg rounds (plugged in where the pieces say, and
+"""Attacks (``fedax.attacks``) against NumPy formulas (docs/references.md, robust aggregation and
+attacks): attackers chosen by seed, the update attacks on hand-made client-placed updates (padding
+clients, whose id may equal an attacker's, never attack; honest clients are never touched), Baruch
+et al.'s z_max, the data attacks, and attacked FedAvg rounds (plugged in where the pieces say, and
 deterministic in the key). Then the config sections and a config run."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from fedax import aggregators as agg
 from fedax import attacks
-from fedax.algorithms import CohortBatches, fedavg
+from fedax.algorithms import CohortBatches, compose, fedavg
 from fedax.client import Batches
 from fedax.experiments.config import ConfigError, validate_config
 
@@ -77,7 +77,7 @@ def test_alie_z_is_baruchs_formula():
         s = n // 2 + 1 - f
         ref = statistics.NormalDist().inv_cdf((n - s) / n)
         assert abs(float(attacks.alie_z(n, f)) - ref) < 1e-5
-        assert abs(ref - want) < 1e-3  # papers.md's derived values
+        assert abs(ref - want) < 1e-3  # the formula's values, worked out by hand
 
 
 def test_omniscient_attacks_against_numpy():
@@ -196,6 +196,77 @@ def test_attack_runs_where_the_pieces_say_and_is_deterministic():
         attacks.attacked(noisy, attacks.ipm(ATTACKERS, NUM))
 
 
+def honest_updates(alg, params):
+    """Each cohort client's FedAvg update Δ_k = w_t − w_k before any attack, from the
+    algorithm's own client update on ``small_cohort()`` (the inputs the round sees)."""
+    pieces = alg.pieces
+    payload = pieces.payload(pieces.server_init(params))
+    cohort = small_cohort()
+    message = jax.jit(jax.vmap(lambda b, n: pieces.client_update(payload, None, b, n)))(
+        cohort.batches, cohort.num_examples)
+    return np.asarray(message.update["w"], np.float64)
+
+
+def np_krum_selection(x, f, m):
+    """Flower's Krum over the rows of x: the m lowest sums of the max(1, n − f − 2)
+    smallest squared distances to the others (ties: the lower index)."""
+    n = len(x)
+    d = ((x[:, None, :] - x[None, :, :]) ** 2).sum(-1)
+    q = max(1, n - f - 2)
+    scores = np.array([np.sort(np.delete(d[i], i))[:q].sum() for i in range(n)])
+    return np.argsort(scores, kind="stable")[:m]
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_an_attacked_round_reports_its_attackers_and_krums_choice(m):
+    """Sign flipping (−μ, μ the honest clients' mean) against Multi-Krum(f=1, m) on the
+    small cohort: ``attackers_in_cohort`` is the attacker ids among the real clients (the
+    padding client's id 3 is an attacker's: not counted), ``krum_discarded`` r − m and
+    ``attackers_selected`` the attackers in the selection NumPy's Krum makes from the
+    same updates, whose weighted mean is the server's step."""
+    params = {"w": jnp.ones(4) * 0.1}
+    clean = fedavg(loss_fn, optax.sgd(0.1), aggregator=agg.multi_krum(1, m))
+    adversary = attacks.sign_flip(ATTACKERS, NUM)
+    np.testing.assert_array_equal(adversary.attackers, np.sort(ATTACKERS))
+    w, metrics = one_round(attacks.attacked(clean, adversary))
+    x = honest_updates(clean, params)
+    real = np.asarray(small_cohort().num_examples) > 0
+    x[IS_ATTACKER] = -x[~np.isin(IDS, ATTACKERS) & real].mean(0)
+    chosen = np_krum_selection(x[real], 1, m)
+    n = np.asarray(small_cohort().num_examples)[real][chosen]
+    np.testing.assert_allclose(w, 0.1 - (n[:, None] * x[real][chosen]).sum(0) / n.sum(),
+                               rtol=1e-5, atol=1e-6)
+    assert int(metrics["attackers_in_cohort"]) == int(np.isin(IDS[real], ATTACKERS).sum()) == 3
+    assert int(metrics["krum_discarded"]) == int(real.sum()) - m
+    assert int(metrics["attackers_selected"]) == int(IS_ATTACKER[real][chosen].sum())
+    assert int(metrics["attackers_selected"]) >= 1  # three equal vectors: Krum's blind spot
+    # the flags change no number: the same round with the bare adversary
+    bare = compose(clean.pieces._replace(adversary=adversary))
+    w_bare, metrics_bare = one_round(bare)
+    np.testing.assert_array_equal(w, w_bare)
+    assert set(metrics) - set(metrics_bare) == {"attackers_in_cohort", "attackers_selected"}
+
+
+def test_attacker_counts_for_a_data_attack_a_rejected_attacker_and_an_anonymous_one():
+    """A data-level attack (no adversary, ``attackers=``) under the trimmed mean: the same
+    model as the clean round, 3 attackers counted and ⌊0.2·7⌋ = 1 value cut per end. An
+    attacker whose update is not finite is rejected, so not counted among the accepted
+    (one of the 3). An adversary that does not say who attacks reports no count."""
+    clean = fedavg(loss_fn, optax.sgd(0.1), aggregator=agg.trimmed_mean(0.2))
+    flagged = attacks.attacked(clean, None, attackers=ATTACKERS)
+    w, metrics = one_round(flagged)
+    np.testing.assert_array_equal(w, one_round(clean)[0])
+    assert int(metrics["attackers_in_cohort"]) == 3
+    assert int(metrics["trimmed_per_end"]) == 1
+    mean = fedavg(loss_fn, optax.sgd(0.1))
+    broken = attacks.scaled(ATTACKERS[:1], NUM, factor=np.inf)  # id 3 sends inf
+    _, metrics = one_round(attacks.attacked(mean, broken, attackers=ATTACKERS))
+    assert int(metrics["rejected_clients"]) == 1
+    assert int(metrics["attackers_in_cohort"]) == 2
+    _, metrics = one_round(attacks.attacked(mean, lambda u, w, i, k: (u, w)))
+    assert "attackers_in_cohort" not in metrics
+
+
 # ---- config ----------------------------------------------------------------------------
 
 BASE = dict(rounds=2, dataset="synthetic", num_clients=12, model="logistic",
@@ -254,7 +325,7 @@ def test_an_attacked_robust_run_resumes_exactly(tmp_path):
         return [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
                 for line in (out / "metrics.jsonl").read_text().splitlines()]
 
-    run_experiment(config, tmp_path / "full", progress=False, tensorboard=False)
+    full = run_experiment(config, tmp_path / "full", progress=False, tensorboard=False)
     run_experiment(config, tmp_path / "cut", progress=False, tensorboard=False)
     (tmp_path / "cut" / "checkpoints" / "ckpt_4.msgpack").unlink()  # as if killed at round 3
     resumed = run_experiment(config, tmp_path / "cut", progress=False, resume=True,
@@ -262,3 +333,7 @@ def test_an_attacked_robust_run_resumes_exactly(tmp_path):
     assert resumed["resumed_from_round"] == 2
     assert records(tmp_path / "cut") == records(tmp_path / "full")
     assert len(records(tmp_path / "full")) == 4
+    # the summary's total is over every round: unknown to a run resumed halfway
+    assert full["attack"]["attackers_in_cohort_total"] == sum(
+        r["attackers_in_cohort"] for r in records(tmp_path / "full"))
+    assert resumed["attack"]["attackers_in_cohort_total"] is None

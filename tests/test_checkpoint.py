@@ -331,3 +331,64 @@ def test_fedax_run_resume_end_to_end(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "cannot resume" in err
     assert "config.client_lr: 0.1 in the checkpoint, 0.2 now" in err
+
+
+# ----------------------------------------------------------------------------- extend
+
+
+def test_a_run_resumed_with_more_rounds_equals_an_uninterrupted_run_of_them(tmp_path):
+    """A finished 3-round run continued to 7 rounds: its round-3 record (the old last
+    round, off the eval_every=2 schedule) is not one of a 7-round run's, and the clients
+    rejected in round 3 count in the round-4 record instead; records and final state equal
+    the uninterrupted run's. Fewer rounds than done are refused, as is any other change."""
+    train, _ = fdata.synthetic(0.5, 0.5, 4, dim=8, num_classes=3, seed=0,
+                               sizes=[30, 40, 25, 35])
+    x = train.x.copy()
+    for k in (1, 3):  # their updates are not finite: rejected and counted
+        x[train.client_indices(k)] = np.nan
+    data = fdata.ClientData(x, train.y, train.indices, train.offsets)
+    model = get_model("logistic", input_dim=8, num_classes=3)
+
+    def loss(p, batch):
+        return softmax_cross_entropy(model.apply(p, batch.x), batch.y, batch.mask)
+
+    algorithm = scaffold(loss, 0.1, 4, weighting="num_examples")
+    params = model.init(jax.random.key(0))
+
+    def go(rounds, directory, resume=False, lr=0.1):
+        return run(algorithm, params, data, lambda p: (0.5, 1.0), rounds=rounds,
+                   client_fraction=0.5, local_epochs=1, batch_size=10, seed=1, eval_every=2,
+                   execution=Execution("sequential", "scan", 1), checkpoint_dir=directory,
+                   checkpoint_every=2, resume=resume, max_rejected_fraction=1.0,
+                   fingerprint={"rounds": rounds, "lr": lr}, schedule=("rounds",))
+
+    rejected = [int(np.isin(fdata.sample_clients(np.random.default_rng([1, t]), 4, 0.5),
+                            [1, 3]).sum()) for t in range(7)]
+    assert rejected[2] > 0  # round 3 rejects clients: the test sees where they are counted
+    full = go(7, tmp_path / "full")
+    assert [(r["round"], r["rejected_clients"]) for r in full.records] == [
+        (2, rejected[0] + rejected[1]), (4, rejected[2] + rejected[3]),
+        (6, rejected[4] + rejected[5]), (7, rejected[6])]
+    short = go(3, tmp_path / "run")
+    assert [r["round"] for r in short.records] == [2, 3]
+    longer = go(7, tmp_path / "run", resume=True)
+    assert longer.resumed_from == 3
+    assert _strip(longer) == _strip(full)
+    assert_bit_identical(longer.state, full.state)
+
+    with pytest.raises(ckpt.ResumeError, match="round 7, after this run's last round 5"):
+        go(5, tmp_path / "run", resume=True)
+    with pytest.raises(CheckpointError, match="config.lr: 0.1 in the checkpoint, 0.2 now"):
+        go(9, tmp_path / "run", resume=True, lr=0.2)
+    assert [r for r, _ in ckpt.list_checkpoints(tmp_path / "run")] == [7, 6]
+
+
+def test_load_checkpoint_may_ignore_the_schedule_items(tmp_path):
+    path = save_checkpoint(tmp_path, 2, make_state(0), fingerprint={"rounds": 3, "lr": 1})
+    with pytest.raises(CheckpointError, match="rounds: 3 in the checkpoint, 6 now"):
+        load_checkpoint(path, make_state(0), {"rounds": 6, "lr": 1})
+    restored = load_checkpoint(path, make_state(0), {"rounds": 6, "lr": 1}, ignore=("rounds",))
+    assert restored.round == 2 and restored.fingerprint["rounds"] == 3
+    with pytest.raises(CheckpointError, match="lr: 1 in the checkpoint, 2 now"):
+        load_checkpoint(path, make_state(0), {"rounds": 6, "lr": 2}, ignore=("rounds",))
+    assert ckpt.newest_readable(tmp_path)["round"] == 2

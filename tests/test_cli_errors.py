@@ -110,6 +110,7 @@ def test_missing_data_is_a_message_not_a_traceback(tiny, tmp_path, monkeypatch, 
     errors = [x for x in err.splitlines() if x.startswith("fedax: error: ")]
     assert len(errors) == 1 and "mnist" in errors[0].lower()
     assert "test mirror" in err  # the sources tried are listed
+    assert not Path("run").exists()  # the run failed before a result: no --out left behind
 
 
 def test_an_unwritable_out_names_the_path_and_the_fix(tiny, monkeypatch, capsys):
@@ -143,7 +144,7 @@ def test_an_out_below_a_file_is_one_line(tiny, capsys):
     assert "file/run" in line and "--out must name a directory" in line
 
 
-def test_a_full_disk_is_one_line_and_leaves_no_empty_file(tiny, monkeypatch, capsys):
+def test_a_full_disk_is_one_line_and_leaves_nothing_behind(tiny, monkeypatch, capsys):
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -152,7 +153,10 @@ def test_a_full_disk_is_one_line_and_leaves_no_empty_file(tiny, monkeypatch, cap
     line = one_error_line(capsys.readouterr().err)
     assert line == ("fedax: error: no space left on device: run/metrics.jsonl; free some "
                     "space or choose another --out")
-    assert [p.name for p in Path("run").iterdir()] == []
+    assert not Path("run").exists()  # no empty file, and no directory this command made
+    Path("run").mkdir()  # one that existed before stays
+    assert main(["run", str(tiny), "--out", "run", "--no-progress"]) == 1
+    assert Path("run").is_dir() and list(Path("run").iterdir()) == []
 
 
 def test_any_other_failure_is_one_line_and_debug_shows_the_traceback(tiny, monkeypatch,

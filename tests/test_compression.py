@@ -39,7 +39,14 @@ from fedax.aggregators import (
     roundtrip,
     top_k,
 )
-from fedax.aggregators.compression import pack_bits, unpack_bits, walsh_hadamard
+from fedax.aggregators.compression import (
+    MessageSizes,
+    pack_bits,
+    unpack_bits,
+    uplink_metrics,
+    uplink_sizes,
+    walsh_hadamard,
+)
 from fedax.algorithms import ClientMessage, CohortBatches, compose, fedavg
 from fedax.algorithms.error_feedback import error_feedback, residuals
 from fedax.algorithms.fedavg import model_pieces
@@ -58,8 +65,9 @@ _roundtrip = jax.jit(roundtrip, static_argnums=0)  # (eager dispatch is slow)
 
 @functools.cache
 def _aggregated(comp):
-    """``aggregate(compressed(comp), values, weights, state, key)[:2]``, jitted once."""
-    return jax.jit(lambda v, w, s, k: aggregate(compressed(comp), v, w, s, k)[:2])
+    """``aggregate(compressed(comp), values, weights, state, key)`` (value, state, metrics),
+    jitted once."""
+    return jax.jit(lambda v, w, s, k: aggregate(compressed(comp), v, w, s, k))
 
 
 def _leaf_uniforms(key, i, shape):
@@ -257,8 +265,8 @@ def test_compressed_mean_equals_the_decoded_weighted_mean_and_ignores_zero_weigh
     for comp in COMPRESSORS[1:3]:
         state = compressed(comp).init(TREE)
         run = _aggregated(comp)
-        got, new_state = run(values, weights, state, key)
-        wild, _ = run(other, weights, state, key)
+        got, new_state, _ = run(values, weights, state, key)
+        wild, _, _ = run(other, weights, state, key)
         np.testing.assert_array_equal(
             np.asarray(jax.flatten_util.ravel_pytree(wild)[0]),
             np.asarray(jax.flatten_util.ravel_pytree(got)[0]))
@@ -268,7 +276,7 @@ def test_compressed_mean_equals_the_decoded_weighted_mean_and_ignores_zero_weigh
         for name in TREE:
             np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]),
                                        rtol=1e-5, atol=1e-5, err_msg=comp.name)
-        nothing, _ = run(values, jnp.zeros(3), state, key)
+        nothing, _, _ = run(values, jnp.zeros(3), state, key)
         assert all(not np.any(np.asarray(leaf)) for leaf in jax.tree.leaves(nothing))
         if jax.tree.leaves(state):  # rotation: the shared key advances every round
             assert not np.array_equal(np.asarray(new_state), np.asarray(state))
@@ -323,6 +331,37 @@ def test_comm_cost_counts_the_compressed_bytes():
                                     cohort).clients_to_server_bytes
     assert costs["qsgd"] - costs["mean"] == 3 * (_expected_bytes("qsgd(s=3)") + 4) \
         - 3 * (4 * 68 + 4)
+
+
+def test_every_round_reports_its_uplink_bytes_and_compression_ratio():
+    """``uplink_bytes`` = the accepted clients (w > 0) × (message + 4-byte weight), the
+    message counted by hand; ``compression_ratio`` = (4·68 + 4) / (message + 4), the float32
+    update and weight over the compressed ones; the same with DP (``dp_compressed``, whose
+    weights are 1 per real client)."""
+    values, key = _clients(0), jax.random.key(0)
+    for comp in COMPRESSORS:
+        per_client = _expected_bytes(comp.name) + 4
+        assert uplink_sizes(comp, TREE) == MessageSizes(_expected_bytes(comp.name), 4, 68)
+        assert uplink_sizes(comp, TREE).client_bytes == per_client
+        state = compressed(comp).init(TREE)
+        for weights in ([2.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 5.0, 3.0]):
+            _, _, metrics = _aggregated(comp)(values, jnp.asarray(weights), state, key)
+            assert set(metrics) == {"uplink_bytes", "compression_ratio"}
+            assert metrics["uplink_bytes"].dtype == jnp.int32
+            accepted = int(np.sum(np.asarray(weights) > 0))
+            assert int(metrics["uplink_bytes"]) == accepted * per_client, comp.name
+            assert float(metrics["compression_ratio"]) == pytest.approx(
+                (4 * 68 + 4) / per_client, rel=1e-6)
+    private = dp_compressed(COMPRESSORS[0], 1.0, 0.0, 2.0)
+    _, _, metrics = jax.jit(lambda v, w: aggregate(private, v, w, private.init(TREE), key))(
+        values, jnp.asarray([5.0, 0.0, 2.0]))
+    assert int(metrics["uplink_bytes"]) == 2 * (_expected_bytes("qsgd(s=3)") + 4)
+    assert {"clipped_clients", "dp_noise_stddev", "compression_ratio"} <= set(metrics)
+    # past int32: a float32 (a 2 GiB message from each of 8 clients)
+    big = uplink_metrics(MessageSizes(2**31, 4, 2**31), jnp.ones(8))
+    assert big["uplink_bytes"].dtype == jnp.float32
+    assert float(big["uplink_bytes"]) == pytest.approx(8 * (2**31 + 4), rel=1e-6)
+    assert float(big["compression_ratio"]) == pytest.approx((2**33 + 4) / (2**31 + 4))
 
 
 def test_determinism_same_key_same_message_other_key_other():
@@ -406,6 +445,10 @@ def test_error_feedback_residual_is_carried_exactly():
                                jnp.asarray(n), jnp.asarray(ids, jnp.int32))
         state, metrics = step(state, cohort, jax.random.key(t))
         total, agg = 0.0, np.zeros(20, np.float32)
+        accepted = [k for k in range(3) if n[k] > 0 and np.all(np.isfinite(x[k]))]
+        # top-k of 20 at 0.2: 4 float32 values and 4 int32 indices, and the weight
+        assert int(metrics["uplink_bytes"]) == len(accepted) * (4 * 8 + 4)
+        assert float(metrics["compression_ratio"]) == pytest.approx((4 * 20 + 4) / 36)
         for k, (i, nk) in enumerate(zip(ids, n, strict=True)):
             if nk == 0 or not np.all(np.isfinite(x[k])):
                 continue

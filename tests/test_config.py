@@ -108,8 +108,10 @@ def test_batch_size_inf_is_stored_as_math_inf_and_written_as_string(value):
 @pytest.mark.parametrize(
     ("data", "key", "fragment"),
     [
-        (_with(lr_client=0.1), "'lr_client'", "allowed: seed, rounds"),
-        (_with(server={"lrr": 0.5}), "'server.lrr'",
+        (_with(lr_client=0.1), "'lr_client'", "(did you mean 'client_lr'?)"),
+        (_with(xyzzy=0.1), "'xyzzy'", "allowed: seed, rounds"),
+        (_with(server={"lrr": 0.5}), "'server.lrr'", "(did you mean 'server.lr'?)"),
+        (_with(server={"xyzzy": 0.5}), "'server.xyzzy'",
          "allowed: optimizer, lr, momentum, nesterov, b1, b2, tau, initial_accumulator"),
         (_with(execution={"strategy": "pmap"}), "'execution.strategy'", "'vmap'"),
         (_with(rounds="ten"), "'rounds'", "an integer > 0, got 'ten'"),
@@ -188,10 +190,11 @@ def test_set_reaches_a_section_missing_from_the_file(write):
         ("rounds", "malformed --set 'rounds'"),
         ("=3", "malformed"),
         ("server.=3", "malformed"),
-        ("lr_client=0.1", "unknown config key 'lr_client'"),
-        ("server.lrr=0.5",
-         "unknown config key 'server.lrr' (allowed: optimizer, lr, momentum, nesterov, b1, b2,"
-         " tau, initial_accumulator)"),
+        ("lr_client=0.1", "unknown config key 'lr_client' (did you mean 'client_lr'?)"),
+        ("server.lrr=0.5", "unknown config key 'server.lrr' (did you mean 'server.lr'?)"),
+        ("server.xyzzy=0.5",
+         "unknown config key 'server.xyzzy' (allowed: optimizer, lr, momentum, nesterov, b1, "
+         "b2, tau, initial_accumulator)"),
         ("rounds.x=1", "unknown config key 'rounds.x'"),
         ("client_fraction=0", "config key 'client_fraction'"),
         ("server.lr=[1", "not valid YAML"),
@@ -201,6 +204,22 @@ def test_bad_set_overrides(write, override, fragment):
     with pytest.raises(ConfigError) as info:
         load_config(write(VALID), [override])
     assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("typo", "message"), [
+    ({"client_lrr": 0.1}, "unknown config key 'client_lrr' (did you mean 'client_lr'?)"),
+    ({"privacy": {"mechanism": "gaussian", "clipp": 1.0, "noise_multiplier": 1.0}},
+     "unknown config key 'privacy.clipp' (did you mean 'privacy.clip'?)"),
+])
+def test_a_misspelled_required_key_is_named_before_the_key_it_leaves_missing(write, typo,
+                                                                            message):
+    """`client_lrr` for `client_lr` also leaves `client_lr` missing (and a nested typo sits
+    beside that error): the typo is what the user must fix, so it is the error."""
+    data = {k: v for k, v in VALID.items() if k != "client_lr"}
+    data.update(typo)
+    with pytest.raises(ConfigError) as info:
+        load_config(write(data))
+    assert str(info.value) == message
 
 
 def test_unreadable_or_malformed_files(write, tmp_path):

@@ -15,6 +15,7 @@ from conftest import TINY_CONFIG
 from fedax import aggregators
 from fedax import data as fdata
 from fedax.experiments.config import ConfigError, validate_config
+from fedax.experiments.privacy_plan import _round_up
 from fedax.experiments.run import privacy_plan, run_experiment
 from fedax.privacy import epsilon
 from fedax.simulation.sources import PartitionSource
@@ -107,9 +108,20 @@ def test_epsilon_in_every_record_and_the_budget_stops_the_run(tmp_path):
     assert privacy["stopped_by_budget"] and privacy["epsilon"] <= 12.0
     assert privacy["rounds_within_budget"] == allowed and "fixed-size" in privacy["accounting"]
     # what epsilon covers is said, and the unnoised columns recorded beside it are named
-    assert "add-or-remove-one client" in privacy["epsilon_covers"]
-    assert all(name in privacy["not_covered"] for name in ("train_loss", "clipped_clients")
-               if name in records[0])
+    # one neighbouring relation, the accountant's: fixed-size sampling is replace-one
+    assert "REPLACE_ONE" in privacy["accounting"]
+    assert privacy["neighbouring_relation"].startswith("replace-one client")
+    assert not any("add-or-remove" in line for line in privacy["epsilon_covers"])
+    assert privacy["releases_per_round"] == 1
+    assert {"train_loss", "clipped_clients", "rejected_clients"} <= set(
+        privacy["diagnostics_not_covered"])
+    assert not {"epsilon", "test_accuracy", "dp_noise_stddev"} & set(
+        privacy["diagnostics_not_covered"])
+    # the budget stop says so, in the status and in one line
+    assert summary["status"] == "stopped_by_budget"
+    assert summary["stop_reason"] == (
+        f"stopped by the privacy budget after round {allowed} of 6: round {allowed + 1} "
+        f"would spend epsilon = {_round_up(direct[allowed])} > privacy.target_epsilon = 12")
     # The same seed gives the same noise: the same numbers again.
     run_experiment(config, tmp_path / "b", progress=False)
     again = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").open()]
@@ -198,3 +210,68 @@ def test_a_dp_run_over_two_devices_equals_one_device(tmp_path, mechanism):
         assert one["epsilon"] is None and one["status"] == "ok"
         assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
         assert two["test_accuracy"] == pytest.approx(one["test_accuracy"], abs=2e-3)
+
+
+def test_fedax_run_prints_epsilon_and_the_budget_stop(tmp_path, capsys):
+    from fedax.cli.main import main
+
+    config = tmp_path / "dp.yaml"
+    data = _config(mechanism="gaussian", clip=1.0, noise_multiplier=1.0, target_epsilon=12.0,
+                   delta=1e-3)
+    config.write_text(yaml.safe_dump(data))
+    assert main(["run", str(config), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    eps = summary["privacy"]["epsilon"]
+    shown = json.loads(out[:out.index("}") + 1])
+    assert shown["epsilon"] == eps and shown["status"] == "stopped_by_budget"
+    assert f"privacy: epsilon = {_round_up(eps)} at delta = 0.001 after " \
+           f"{summary['rounds_run']} round(s) (user level" in out
+    assert summary["stop_reason"] in out.splitlines()
+
+
+def test_learned_server_lr_under_privacy_reports_the_epsilon_of_both_releases(tmp_path):
+    data = _config(mechanism="gaussian", clip=1.0, noise_multiplier=1.0, delta=1e-3)
+    data.update(rounds=3, server={"lr": "learned"}, learned_lr={"clip": 0.5})
+    summary = run_experiment(validate_config(data), tmp_path / "a", progress=False)
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").open()]
+    # two Gaussian releases a round (update and holdout hypergradient), both at z = 1
+    want = epsilon((1.0, 1.0), 6 / 30, 3, 1e-3, sampling="fixed", population=30)
+    assert want > epsilon(1.0, 6 / 30, 3, 1e-3, sampling="fixed", population=30)
+    assert summary["privacy"]["epsilon"] == pytest.approx(want, rel=1e-12)
+    assert summary["privacy"]["releases_per_round"] == 2
+    assert "hypergradient" in summary["privacy"]["epsilon_covers"][1]
+    assert all(math.isfinite(r["hypergradient"]) and r["server_lr"] > 0 for r in records)
+    assert "holdout_loss" not in records[-1]  # its value is not released under privacy
+
+
+def test_adaptive_clipping_defaults_work_on_small_cohorts_and_bad_values_fail_at_config_time(
+        tmp_path, capsys):
+    from fedax.aggregators import split_noise_multiplier
+    from fedax.cli.main import main
+
+    # The shipped MNIST configs' cohort: m = 10 of 100. TFF's σ_b = m/20 = 0.5 needs z < 1.
+    data = _config(mechanism="adaptive", noise_multiplier=1.0)
+    data.update(num_clients=100, client_fraction=0.1)
+    plan = privacy_plan(validate_config(data), 100)
+    assert plan.count_stddev == 1.0  # max(m/20, z)
+    assert split_noise_multiplier(1.0, plan.count_stddev) == pytest.approx(1 / 0.75 ** 0.5)
+    assert plan.summary(validate_config(data), 1)["count_stddev"] == 1.0
+    # where m/20 is enough, it is TFF's default unchanged
+    data.update(num_clients=400, client_fraction=0.5)
+    assert privacy_plan(validate_config(data), 400).count_stddev == 10.0
+    # an explicit count noise too small for z: the config key, at config time (exit 2)
+    with pytest.raises(ConfigError, match=r"^config key 'privacy.count_stddev': 0.4 is too"):
+        validate_config(_config(mechanism="adaptive", noise_multiplier=1.0, count_stddev=0.4))
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(_config(mechanism="adaptive", noise_multiplier=1.0,
+                                             count_stddev=0.4)))
+    assert main(["run", str(config), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "privacy.count_stddev" in err[0]
+    assert "clipped_count_stddev" not in err[0] and "ValueError" not in err[0]
+    # a z calibrated to a budget is checked against it before the run starts
+    calibrated = validate_config(_config(mechanism="adaptive", target_epsilon=2.0,
+                                         count_stddev=0.3))
+    with pytest.raises(ConfigError, match="privacy.count_stddev"):
+        privacy_plan(calibrated, 30)

@@ -1,9 +1,9 @@
-"""Robust aggregators against NumPy references written here (papers.md §9): coordinate-wise
-median and trimmed mean (Yin et al.; NumPy's median, scipy's trim_mean cut ⌊β·n⌋), Krum and
-Multi-Krum (Blanchard et al., Flower's convention), RFA's smoothed Weiszfeld (Pillutla et
-al.), norm bounding (Sun et al.). Inputs include ties, even and odd counts, and padded or
-rejected clients (weight 0) carrying garbage that must never count. Then the tolerance
-claims on a convex problem, and the DP composition rule."""
+"""Robust aggregators against NumPy references written here (docs/references.md, robust aggregation
+and attacks): coordinate-wise median and trimmed mean (Yin et al.; NumPy's median, scipy's trim_mean
+cut ⌊β·n⌋), Krum and Multi-Krum (Blanchard et al., Flower's convention), RFA's smoothed Weiszfeld
+(Pillutla et al.), norm bounding (Sun et al.). Inputs include ties, even and odd counts, and padded
+or rejected clients (weight 0) carrying garbage that must never count. Then the tolerance claims on
+a convex problem, and the DP composition rule."""
 
 from __future__ import annotations
 
@@ -84,7 +84,9 @@ def test_trimmed_mean_cuts_floor_beta_r_per_end_of_the_real_clients(beta):
     # beta = 0.35 with r = 20: float32 0.35 * 20 rounds below 7; the cut must still be 7.
     for n_real, ties in REAL_COUNTS:
         values, weights, real = cohort(n_real, ties=ties, seed=n_real)
-        got, _ = run(agg.trimmed_mean(beta), values, weights, name=f"trim{beta}")
+        got, metrics = run(agg.trimmed_mean(beta), values, weights, name=f"trim{beta}")
+        assert set(metrics) == {"trimmed_per_end"}
+        assert int(metrics["trimmed_per_end"]) == int(beta * n_real)  # scipy's lowercut
         for name in values:
             np.testing.assert_allclose(got[name], np_trimmed(values[name][real], beta),
                                        rtol=1e-5, atol=1e-6, err_msg=f"r={n_real}")
@@ -124,9 +126,12 @@ def test_krum_and_multi_krum_pick_what_numpy_picks(n_real, f, m):
     chosen = np.argsort(scores, kind="stable")[:m]
     w = weights[real][chosen]
     want = (w[:, None] * x[chosen]).sum(0) / w.sum()
-    got, _ = run(agg.multi_krum(f, m), values, weights, name=f"mk{f},{m}")
+    got, metrics = run(agg.multi_krum(f, m), values, weights, name=f"mk{f},{m}")
     np.testing.assert_allclose(np.concatenate([got["a"], got["b"]]), want, rtol=1e-5,
                                atol=1e-6)
+    # the real clients not selected; who they are needs flagging (below)
+    assert set(metrics) == {"krum_discarded"}
+    assert int(metrics["krum_discarded"]) == n_real - len(chosen)
     placed = {k: jnp.asarray(v) for k, v in values.items()}
     ours = np.asarray(agg.krum_scores(placed, jnp.asarray(real), f))
     np.testing.assert_allclose(ours[real], scores, rtol=1e-4)
@@ -135,6 +140,59 @@ def test_krum_and_multi_krum_pick_what_numpy_picks(n_real, f, m):
         got1, _ = run(agg.krum(f), values, weights, name=f"mk{f},{m}")
         np.testing.assert_allclose(np.concatenate([got1["a"], got1["b"]]),
                                    x[np.argmin(scores)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("f,m", [(1, 1), (1, 3)])
+def test_krum_under_flagging_counts_the_flagged_clients_it_selected(f, m):
+    """Under ``flagging(flags)`` Krum also reports ``attackers_selected``: the flagged
+    clients among those NumPy's Krum selects. Three flagged clients send one shared vector
+    close to the honest cluster (so Krum picks them); a flagged padding client (weight 0)
+    is never counted. The other rules report no attacker diagnostics."""
+    from fedax.aggregators.robust import flagging
+
+    values, weights, real = cohort(8, 4, d=6, seed=11)
+    rows = np.flatnonzero(real)
+    flagged = np.zeros(len(weights), bool)
+    flagged[rows[:3]] = True
+    flagged[np.flatnonzero(~real)[0]] = True  # padding: flagged, but not a client
+    values["a"][rows[:3]] = 0.01
+    values["b"][rows[:3]] = 0.01
+    x = flat(values)[real]
+    chosen = np.argsort(np_krum_scores(x, f), kind="stable")[:m]
+    want = int(flagged[real][chosen].sum())
+
+    def program(rule):
+        def go(v, w, flags):
+            with flagging(flags):
+                return agg.aggregate(rule, v, w, (), None)[2]
+        return jax.jit(go)
+
+    inputs = (jax.tree.map(jnp.asarray, values), jnp.asarray(weights), jnp.asarray(flagged))
+    metrics = program(agg.multi_krum(f, m))(*inputs)
+    assert want >= 1  # the shared vector sits in the honest cluster's middle
+    assert int(metrics["attackers_selected"]) == want
+    assert int(metrics["krum_discarded"]) == 8 - m
+    for rule in (agg.median(), agg.trimmed_mean(0.2), agg.geometric_median()):
+        assert "attackers_selected" not in program(rule)(*inputs)
+
+
+def test_norm_bounding_with_a_clip_is_one_clip_at_the_smaller_bound():
+    """robust("norm_bounding", clip=S, max_norm=M) clips to min(S, M) once: it used to chain
+    two clips, both reporting clipped_clients (a duplicate metric: every round failed)."""
+    values, weights, real = cohort(6, 2, seed=4)
+    x = flat(values)[real]
+    norms = np.linalg.norm(x, axis=1)
+    for clip, bound in ((0.3, 0.8), (0.8, 0.3)):
+        got, metrics = run(agg.robust("norm_bounding", clip=clip, max_norm=bound), values,
+                           weights)
+        clipped = x * np.minimum(1.0, 0.3 / norms)[:, None]
+        w = weights[real]
+        np.testing.assert_allclose(np.concatenate([got["a"], got["b"]]),
+                                   (w[:, None] * clipped).sum(0) / w.sum(), rtol=1e-5,
+                                   atol=1e-7)
+        # padding holds garbage here (clipped too, as clip_norm's bit is every client's)
+        assert int(metrics["clipped_clients"]) == int(
+            (np.linalg.norm(flat(values), axis=1) > 0.3).sum())
 
 
 def np_rfa(x, alpha, iterations, nu):

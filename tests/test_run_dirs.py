@@ -5,12 +5,16 @@ import hashlib
 import json
 import math
 import os
+import re
+import shlex
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import TINY_CONFIG, run_fedax
 
 from fedax.cli.main import main
+from fedax.experiments import run as experiment
 from fedax.experiments.run import accuracy_figure, dumps, with_status, write_atomic
 from fedax.simulation import History
 
@@ -110,7 +114,8 @@ def test_default_out_dirs_do_not_collide(tmp_path):
     resume = run_fedax("run", "tiny.yaml", "--resume", cwd=tmp_path)
     assert resume.returncode == 2
     line = last_line(resume.stderr)
-    assert "--resume needs --out" in line and f"--out {outs[1]} --resume" in line
+    assert "--resume needs --out" in line and "has a checkpoint" in line
+    assert suggestions(line) == [["run", "tiny.yaml"]]  # none to resume: start a new one
 
 
 def _demo_args(out, *extra):
@@ -188,3 +193,216 @@ def test_the_plot_shows_every_point_with_integer_rounds_and_a_title():
     assert all(float(t).is_integer() for t in ax.get_xticks())
     assert ax.get_title() == "my run"
     plt.close(fig)
+
+
+# ------------------------------------------------------------------ extending, suggestions
+
+
+# A command the CLI prints: up to the next ", ", "; ", " (" or the end of the line.
+_COMMAND = re.compile(r"fedax (?:run|demo) .*?(?=, |; | \(|$)")
+
+
+def suggestions(line):
+    """The argv of each ``fedax ...`` command ``line`` suggests (``fedax`` dropped)."""
+    found = [shlex.split(m) for m in _COMMAND.findall(line)]
+    assert found and all(argv[0] == "fedax" for argv in found), line
+    return [argv[1:] for argv in found]
+
+
+def records(run):
+    """The records of ``run/metrics.jsonl``, ``elapsed_s`` left out."""
+    return [{k: v for k, v in json.loads(x).items() if k != "elapsed_s"}
+            for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary_of(run):
+    return json.loads((Path(run) / "summary.json").read_text())
+
+
+def error_line(capsys):
+    return last_line(capsys.readouterr().err)
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    """An empty working directory holding tiny.yaml (suggested commands are relative)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FEDAX_DEBUG", raising=False)
+    (tmp_path / "tiny.yaml").write_text(TINY_CONFIG)
+    return tmp_path
+
+
+def test_resume_with_more_rounds_extends_a_run_as_an_uninterrupted_run(here, capsys):
+    """`--resume --set rounds=6` continues a finished 3-round run; with eval_every=2 its
+    round-3 record (the old last one) is not a 6-round run's and goes. Fewer rounds than
+    done are one line that changes nothing, and the commands it prints run as printed."""
+    every = ["--set", "eval_every=2", "--set", "checkpoint_every=2", "--no-progress"]
+    assert main(["run", "tiny.yaml", "--out", "run", "--set", "rounds=3", *every]) == 0
+    assert [r["round"] for r in records("run")] == [2, 3]
+    assert main(["run", "tiny.yaml", "--out", "full", "--set", "rounds=6", *every]) == 0
+    assert main(["run", "tiny.yaml", "--out", "run", "--set", "rounds=6", "--resume",
+                 *every]) == 0, capsys.readouterr().err
+    assert [r["round"] for r in records("run")] == [2, 4, 6]
+    assert records("run") == records("full")  # same program, same machine: equal
+    summary = summary_of("run")
+    assert summary["rounds_run"] == 6 and summary["resumed_from_round"] == 3
+    assert summary["config"]["rounds"] == 6
+
+    capsys.readouterr()
+    before = snapshot(here / "run")
+    assert main(["run", "tiny.yaml", "--out", "run", "--set", "rounds=4", "--resume",
+                 *every]) == 2
+    line = error_line(capsys)
+    assert line.startswith("fedax: error: cannot resume the run in run: it has done 6 "
+                           "rounds, more than rounds=4; nothing in run was changed")
+    assert snapshot(here / "run") == before
+    resume, overwrite = suggestions(line)
+    assert resume[-1] == "--resume" and "rounds=6" in resume and "rounds=4" not in resume
+    assert main(resume) == 0
+    assert records("run") == records("full") and summary_of("run")["rounds_run"] == 6
+    assert overwrite[-1] == "--overwrite" and main(overwrite) == 0
+    assert [r["round"] for r in records("run")] == [2, 4]
+    assert summary_of("run")["config"]["rounds"] == 4
+
+
+def test_a_z_calibrated_to_the_rounds_is_given_to_extend_the_run(here, capsys):
+    """target_epsilon without noise_multiplier: z belongs to the run's rounds. Extending it
+    is refused in one line that says so; the command it prints gives the run its z and
+    continues it, equal to an uninterrupted run with that z."""
+    dp = ["--set", "privacy.mechanism=gaussian", "--set", "privacy.clip=1.0",
+          "--set", "privacy.target_epsilon=8", "--set", "privacy.delta=1e-3",
+          "--set", "checkpoint_every=1", "--no-progress"]
+    assert main(["run", "tiny.yaml", "--out", "run", "--set", "rounds=2", *dp]) == 0
+    first = records("run")
+    z = summary_of("run")["privacy"]["noise_multiplier"]
+    capsys.readouterr()
+    before = snapshot(here / "run")
+    assert main(["run", "tiny.yaml", "--out", "run", "--set", "rounds=4", "--resume",
+                 *dp]) == 2
+    line = error_line(capsys)
+    assert f"its noise multiplier z = {z!r} was calibrated to rounds=2" in line
+    assert snapshot(here / "run") == before
+    resume, _ = suggestions(line)
+    assert f"privacy.noise_multiplier={z!r}" in resume and resume[-1] == "--resume"
+    assert main(resume) == 0, capsys.readouterr().err
+    extended = records("run")
+    assert [r["round"] for r in extended] == [1, 2, 3, 4] and extended[:2] == first
+    assert [r["epsilon"] for r in extended] == sorted({r["epsilon"] for r in extended})
+    full = [a for a in resume if a != "--resume"]
+    full[full.index("--out") + 1] = "full"
+    assert main(full) == 0
+    assert extended == records("full")
+
+
+def test_every_command_a_refusal_suggests_runs_as_printed(here, capsys):
+    done = ["--no-progress"]
+    assert main(["run", "tiny.yaml", "--set", "checkpoint_every=1", *done]) == 0
+    assert main(["run", "tiny.yaml", *done]) == 0  # the newest run: no checkpoint
+    with_ckpt, without = sorted(Path("runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    assert (with_ckpt / "checkpoints").is_dir() and not (without / "checkpoints").exists()
+    capsys.readouterr()
+
+    # --resume without --out: the newest run this config continues, not the newest run
+    assert main(["run", "tiny.yaml", "--set", "checkpoint_every=1", "--resume"]) == 2
+    line = error_line(capsys)
+    (resume,) = suggestions(line)
+    assert resume == ["run", "tiny.yaml", "--set", "checkpoint_every=1", "--out",
+                      str(with_ckpt), "--resume"]
+    assert main(resume) == 0 and summary_of(with_ckpt)["resumed_from_round"] == 2
+    # ... and when none does, a command that starts one
+    assert main(["run", "tiny.yaml", "--set", "client_lr=0.2", "--resume"]) == 2
+    (start,) = suggestions(error_line(capsys))
+    assert start == ["run", "tiny.yaml", "--set", "client_lr=0.2"]
+    assert main(start) == 0 and len(list(Path("runs").iterdir())) == 3
+
+    # --out holding a run that this config continues: continue it, or replace it
+    shutil.copytree(with_ckpt, "copy")
+    capsys.readouterr()
+    assert main(["run", "tiny.yaml", "--out", "copy", "--set", "checkpoint_every=1"]) == 2
+    line = error_line(capsys)
+    assert line.startswith("fedax: error: copy already holds a run")
+    resume, overwrite = suggestions(line)
+    assert resume[-1] == "--resume" and overwrite[-1] == "--overwrite"
+    kept = records("copy")
+    assert main(resume) == 0 and records("copy") == kept
+    assert main(overwrite) == 0 and summary_of("copy")["resumed_from_round"] is None
+    # ... that it does not continue (another config, or no checkpoint): replace it
+    for argv in (["--set", "client_lr=0.2"], ["--resume"]):
+        capsys.readouterr()
+        assert main(["run", "tiny.yaml", "--out", str(without), *argv]) == 2
+        (overwrite,) = suggestions(error_line(capsys))
+        assert overwrite[-1] == "--overwrite" and main(overwrite) == 0
+
+
+def _interrupt_after(monkeypatch, round_):
+    """Ctrl-C right after the record of ``round_`` is written."""
+    original = experiment.JsonlWriter.__call__
+
+    def call(self, record):
+        original(self, record)
+        if record["round"] == round_:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(experiment.JsonlWriter, "__call__", call)
+    return lambda: monkeypatch.setattr(experiment.JsonlWriter, "__call__", original)
+
+
+@pytest.mark.parametrize("every", [1, 0])
+def test_the_command_a_ctrl_c_suggests_runs_as_printed(here, capsys, monkeypatch, every):
+    argv = ["run", "tiny.yaml", "--out", "run", "--set", "rounds=4",
+            "--set", f"checkpoint_every={every}"]
+    assert main([*argv[:3], "full", *argv[4:], "--no-progress"]) == 0
+    restore = _interrupt_after(monkeypatch, 2)
+    assert main([*argv, "--no-progress"]) == 130
+    restore()
+    line = error_line(capsys)
+    assert line.startswith("fedax: interrupted: stopped after round 2 in run")
+    (command,) = suggestions(line)
+    assert command[-1] == ("--resume" if every else "--overwrite")
+    assert main(command) == 0
+    assert records("run") == records("full")
+    assert summary_of("run")["resumed_from_round"] == (2 if every else None)
+
+
+@pytest.mark.parametrize("every", [1, 0])
+def test_the_command_a_ctrl_c_of_the_demo_suggests_runs_as_printed(tmp_path, capsys,
+                                                                   monkeypatch, every):
+    monkeypatch.chdir(tmp_path)
+    args = _demo_args("demo", f"checkpoint_every={every}")
+    restore = _interrupt_after(monkeypatch, 1)
+    assert main(args) == 130
+    restore()
+    line = error_line(capsys)
+    assert line.startswith("fedax: interrupted: FedSGD run stopped after round 1")
+    (command,) = suggestions(line)
+    assert command[:3] == ["demo", "--out", "demo"]
+    if not every:  # it says to delete the run first
+        assert "it has no checkpoint: delete demo/mnist_2nn_noniid_fedsgd, then" in line
+        shutil.rmtree("demo/mnist_2nn_noniid_fedsgd")
+    assert main(command) == 0
+    fedsgd = summary_of("demo/mnist_2nn_noniid_fedsgd")
+    assert fedsgd["rounds_run"] == 2 and fedsgd["resumed_from_round"] == (1 if every else None)
+    assert Path("demo/table.md").is_file()
+
+
+def test_a_command_that_fails_before_a_result_leaves_no_directory_it_created(here, capsys):
+    """A config error found only against the data (batch_size larger than every client's
+    data): no directory this command created stays behind, none that existed goes."""
+    too_big = ["--set", "batch_size=100000", "--no-progress"]
+    assert main(["run", "tiny.yaml", "--out", "new/deeper/run", *too_big]) == 2
+    assert "larger than every client's data" in error_line(capsys)
+    assert main(["run", "tiny.yaml", *too_big]) == 2  # runs/<name>-<time>, and runs/
+    for existing in ("empty", "parent"):
+        Path(existing).mkdir()
+    assert main(["run", "tiny.yaml", "--out", "empty", *too_big]) == 2
+    assert main(["run", "tiny.yaml", "--out", "parent/run", *too_big]) == 2
+    assert sorted(p.name for p in here.iterdir()) == ["empty", "parent", "tiny.yaml"]
+    assert not any(Path("empty").iterdir()) and not any(Path("parent").iterdir())
+    Path("runs").mkdir()
+    assert main(["run", "tiny.yaml", *too_big]) == 2
+    assert Path("runs").is_dir() and not any(Path("runs").iterdir())
+    # the demo too (a budget too small for one round is found against the data)
+    assert main(_demo_args("demo", "privacy.mechanism=gaussian", "privacy.clip=1.0",
+                           "privacy.noise_multiplier=0.01", "privacy.target_epsilon=0.01")) == 2
+    assert "one round at noise_multiplier" in error_line(capsys)
+    assert not Path("demo").exists()

@@ -8,7 +8,10 @@ to the server with ``fedax.federated.collect`` (each client's message kept apart
 not summable), decodes each client's message and forms the weighted mean (or sum) there. So
 ``fedax.federated.comm_cost`` prices what really crosses, the compressed bytes (plus each
 client's ``float32`` weight). A client with weight 0 (padding, rejected) is left out by
-selection, as in ``aggregators.mean``.
+selection, as in ``aggregators.mean``. Every round reports ``uplink_bytes`` (the accepted
+clients' messages, codes and weight; ``uplink_metrics``) and ``compression_ratio`` (against
+the ``float32`` update and its weight), computed in the round program from the codes' static
+shapes, so every engine records them.
 
 Compressors (one leaf x ∈ R^d at a time, flattened; ``Compressor``):
 
@@ -427,7 +430,9 @@ def compressed(
 
     Returns:
       an ``Aggregator`` with state ``compressor.init()`` (``rotation``'s shared key, advanced
-      every round by the server stage; ``()`` otherwise), no metrics.
+      every round by the server stage; ``()`` otherwise) and the metrics of
+      ``uplink_metrics``: ``uplink_bytes`` (what the accepted clients sent) and
+      ``compression_ratio`` (against the float32 update).
     """
     if not isinstance(compressor, Compressor):
         raise ValueError(f"compressed needs a Compressor (qsgd, rotation, top_k, cast), got "
@@ -446,8 +451,10 @@ def compressed(
 
     def reduce(codes, weights, state, key):
         del key
+        sizes = message_sizes(codes, weights)
         codes, weights = fed.collect((codes, weights))
-        return decode_tree(compressor, codes, state, weights, reduction, clip), {}
+        return (decode_tree(compressor, codes, state, weights, reduction, clip),
+                uplink_metrics(sizes, weights))
 
     def server(value, stats, state, key):
         del stats, key
@@ -458,15 +465,79 @@ def compressed(
     return Aggregator(init, client, reduce, server if shared_key else None)
 
 
+class MessageSizes(NamedTuple):
+    """What one client's message weighs (static: shapes and dtypes only).
+
+    Attributes:
+      code_bytes: the encoded update (``message_bytes``).
+      weight_bytes: the client's aggregation weight, sent beside it (4 for ``float32``).
+      coordinates: d, the update's number of coordinates (every leaf).
+    """
+
+    code_bytes: int
+    weight_bytes: int
+    coordinates: int
+
+    @property
+    def client_bytes(self) -> int:
+        """One client's uplink: the codes and the weight (what ``comm_cost`` counts)."""
+        return self.code_bytes + self.weight_bytes
+
+    @property
+    def uncompressed_bytes(self) -> int:
+        """The same message uncompressed: the ``float32`` update (4·d) and the weight."""
+        return 4 * self.coordinates + self.weight_bytes
+
+    @property
+    def ratio(self) -> float:
+        """``uncompressed_bytes / client_bytes``: how many times smaller the uplink is."""
+        return self.uncompressed_bytes / self.client_bytes
+
+
+def message_sizes(codes: Any, weights: Any) -> MessageSizes:
+    """The ``MessageSizes`` of the client-placed (``[C, ...]``) output of ``encode_tree``
+    (or its abstract shapes) and its weights ``[C]``."""
+    messages, _ = _messages(codes)
+    code_bytes = sum(math.prod(a.shape[1:]) * jnp.dtype(a.dtype).itemsize
+                     for code, _ in messages for a in jax.tree.leaves(code))
+    coordinates = sum(math.prod(shape.like.shape[2:]) for _, shape in messages)
+    return MessageSizes(int(code_bytes), int(jnp.dtype(weights.dtype).itemsize),
+                        int(coordinates))
+
+
+def uplink_metrics(sizes: MessageSizes, weights: jax.Array) -> dict[str, jax.Array]:
+    """A compressed round's uplink, from the collected (server-placed) ``weights [C]``:
+    ``uplink_bytes``, the accepted clients' (w_k > 0; padding and rejected clients send
+    nothing that counts) messages, ``sizes.client_bytes`` each (codes and weight; other
+    per-client statistics, e.g. a DP clip bit or the training loss, are not counted), and
+    ``compression_ratio``, ``sizes.ratio`` against the ``float32`` update and its weight.
+    ``uplink_bytes`` is an ``int32`` where C·(bytes per client) fits one, else a ``float32``
+    (exact to 2⁻²⁴ relative)."""
+    count = jnp.sum((weights > 0).astype(jnp.int32))
+    if weights.shape[0] * sizes.client_bytes < 2**31:
+        uplink = count * jnp.int32(sizes.client_bytes)
+    else:
+        uplink = count.astype(jnp.float32) * jnp.float32(sizes.client_bytes)
+    return {"uplink_bytes": uplink,
+            "compression_ratio": jnp.asarray(sizes.ratio, jnp.float32)}
+
+
 def message_bytes(compressor: Compressor, template: Any) -> int:
     """Bytes of one client's encoded message for a value shaped like ``template`` (the
     codes only; ``compressed`` also sends the client's ``float32`` weight)."""
+    return uplink_sizes(compressor, template).code_bytes
+
+
+def uplink_sizes(compressor: Compressor, template: Any) -> MessageSizes:
+    """The ``MessageSizes`` of one client's message for a value shaped like ``template``,
+    with a ``float32`` weight: what each round's ``uplink_bytes`` counts per accepted
+    client."""
     shared = jax.eval_shape(compressor.init)
     key = jax.eval_shape(lambda: jax.random.key(0))
     shape = jax.eval_shape(lambda v, s, k: encode_tree(compressor, v, s, k), template, shared,
                            key)
-    return int(sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize
-                   for a in jax.tree.leaves(shape)))
+    stacked = jax.tree.map(lambda a: jax.ShapeDtypeStruct((1, *a.shape), a.dtype), shape)
+    return message_sizes(stacked, jax.ShapeDtypeStruct((1,), jnp.float32))
 
 
 def dp_compressed(

@@ -1,6 +1,6 @@
 """Robust reductions: coordinate-wise median and trimmed mean (Yin et al. 2018), Krum and
 Multi-Krum (Blanchard et al. 2017), the geometric median (RFA, Pillutla et al. 2022) and norm
-bounding (Sun et al. 2019). Specifications: shared/reference/papers.md §9.
+bounding (Sun et al. 2019). Sources: docs/references.md, robust aggregation and attacks.
 
 Every reduction here receives the clients' values apart, through ``fed.collect`` (clients ->
 server, each client's value kept; the same bytes up as a sum), so ``comm_cost`` stays true
@@ -29,12 +29,22 @@ Gaussian mechanism the accountant composes. The order that keeps the bound: clip
 client, a sum reduction, noise after: ``dp_gaussian`` (norm bounding is its clip).
 ``private_robust`` builds the valid composition and refuses the others, and the config
 layer calls ``check_private_reduction``.
+
+**Diagnostics** (round metrics; names unique across rules, as a round merges them):
+Multi-Krum/Krum report ``krum_discarded`` (the real clients not selected, r − min(m, r)),
+the trimmed mean ``trimmed_per_end`` (b = ⌊β·r⌋, cut at each end of every coordinate), norm
+bounding ``clipped_clients`` (its clip's); the median and the geometric median report
+nothing (every real client counts, by rank or by weight). Under ``flagging(flags)`` (a
+simulated attack marks its attackers: ``fedax.attacks.attacked``), Krum also reports
+``attackers_selected``, the flagged clients among those it selected.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -87,6 +97,34 @@ def _select_mean(stacked: Any, coefficients: jax.Array) -> Any:
     return jax.tree.map(one, stacked)
 
 
+_FLAGS: contextvars.ContextVar[Any] = contextvars.ContextVar("fedax_robust_flags",
+                                                             default=None)
+
+
+@contextlib.contextmanager
+def flagging(flags: jax.Array) -> Iterator[None]:
+    """Mark clients for the robust reductions' diagnostics while one is traced inside.
+
+    ``flags`` is a client-placed ``[C]`` bool array in the order of the values the
+    reduction receives (e.g. which clients of the cohort are simulated attackers). A
+    reduction that knows cheaply which clients it kept reports how many of them were
+    flagged (Krum: ``attackers_selected``), collecting the flags with ``fed.collect`` (one
+    more value up per client: a simulation's diagnostic, which no real client sends).
+    Only the trace inside the ``with`` block sees them: wrap the ``reduce`` call itself.
+    """
+    token = _FLAGS.set(flags)
+    try:
+        yield
+    finally:
+        _FLAGS.reset(token)
+
+
+def _flags_at_server() -> jax.Array | None:
+    """The ``flagging`` flags collected at the server (``[C]`` bool), or None."""
+    flags = _FLAGS.get()
+    return None if flags is None else fed.collect(flags).astype(bool)
+
+
 def _count(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
@@ -123,7 +161,8 @@ def trimmed_mean(beta: float) -> Aggregator:
     ``FedTrimmedAvg(beta)``), drop the b largest and b smallest values of each coordinate
     and average the r − 2b left: TrMean_j = (1/(r−2b)) Σ_{i=b+1}^{r−b} x_{(i),j}.
     0 ≤ β < 1/2 (so r − 2b ≥ 1); unweighted. Tolerates fewer than b arbitrary clients per
-    coordinate end (Yin et al. set β ≥ the Byzantine fraction)."""
+    coordinate end (Yin et al. set β ≥ the Byzantine fraction). Metric ``trimmed_per_end``:
+    b (int32), the values cut at each end of every coordinate."""
     beta = _non_negative("trimmed_mean beta", beta)
     if not beta < 0.5:
         raise ValueError(f"trimmed_mean beta must be in [0, 0.5), got {beta!r}.")
@@ -146,7 +185,7 @@ def trimmed_mean(beta: float) -> Aggregator:
             out = total / jnp.maximum(keep_count, 1).astype(s.dtype)
             return jnp.where(r > 0, out, jnp.zeros((), s.dtype))
 
-        return jax.tree.map(one, stacked), {}
+        return jax.tree.map(one, stacked), {"trimmed_per_end": b}
 
     return Aggregator(no_state, reduce=reduce)
 
@@ -185,19 +224,27 @@ def multi_krum(byzantine: int, keep: int = 1) -> Aggregator:
     (``krum_scores``; ties to the lower client index, as ``np.argmin``); m = 1 is Krum, the
     selected vector itself. Fewer than m real clients: all of them. The paper asks for
     2f + 2 < n; with fewer real clients the neighbour count is clamped to [1, r − 1]
-    (Flower's ``max(1, n − f − 2)``). Cost O(C²d) for the pairwise distances."""
+    (Flower's ``max(1, n − f − 2)``). Cost O(C²d) for the pairwise distances. Metrics
+    (int32): ``krum_discarded``, the real clients not selected (r − min(m, r)); under
+    ``flagging``, ``attackers_selected``, the flagged clients among the selected."""
     byzantine = _count("multi_krum byzantine (f)", byzantine, 0)
     keep = _count("multi_krum keep (m)", keep, 1)
 
     def reduce(values, weights, state, key):
         del state, key
-        stacked, w, real, _ = _on_server(values, weights)
+        stacked, w, real, r = _on_server(values, weights)
         score = krum_scores(stacked, real, byzantine)
         order = jnp.argsort(score, stable=True)
         rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
         selected = jnp.logical_and(real, rank < keep)
         coefficients = jnp.where(selected, w, jnp.zeros((), w.dtype))
-        return _select_mean(stacked, coefficients), {}
+        chosen = jnp.sum(selected.astype(jnp.int32))
+        metrics = {"krum_discarded": r - chosen}
+        flags = _flags_at_server()
+        if flags is not None:
+            metrics["attackers_selected"] = jnp.sum(
+                jnp.logical_and(selected, flags).astype(jnp.int32))
+        return _select_mean(stacked, coefficients), metrics
 
     return Aggregator(no_state, reduce=reduce)
 
@@ -282,9 +329,17 @@ SUM_RULES = ("norm_bounding",)
 def robust(rule: str, *, clip: float | None = None, **options: Any) -> Aggregator:
     """The robust aggregator ``rule`` (a ``ROBUST_RULES`` name) with its ``options``, after
     a client clip ``clip_norm(clip)`` when ``clip`` is given (the documented order: client
-    stages, then the robust reduction)."""
+    stages, then the robust reduction). ``norm_bounding`` with a ``clip`` is norm bounding
+    at min(clip, max_norm), the same clip, reported once."""
     if rule not in ROBUST_RULES:
         raise ValueError(f"unknown robust rule {rule!r}; allowed: {', '.join(ROBUST_RULES)}.")
+    if rule == "norm_bounding" and clip is not None and "max_norm" in options:
+        # Clipping to S, then to M, is clipping to min(S, M); two clip stages would both
+        # report clipped_clients.
+        clip = _positive("robust clip", clip)
+        options = {**options, "max_norm": min(clip, _positive(
+            "norm_bounding max_norm", options["max_norm"]))}
+        return norm_bounding(**options)
     aggregator = ROBUST_RULES[rule](**options)
     return aggregator if clip is None else chain(clip_norm(clip), aggregator)
 

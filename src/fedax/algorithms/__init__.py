@@ -74,6 +74,13 @@ class AlgorithmSpec:
       server_optimizer: the server optimizer the name implies (``fedadam``: FedAvg with
         ``adam``), or None: any, ``sgd`` (FedAvg's, η = 1) unless chosen.
       doc: one line: what it is, and the paper.
+      exact_sums: what each client uploads *beside* the aggregated update, as exact
+        federated sums (``ClientMessage.sums``: SCAFFOLD's Δc_i, FedNova's Σ n_i τ_i and
+        Σ n_i), one phrase each; ``()`` for none. No aggregator clips or noises these, so
+        user-level DP cannot cover them: a run refuses ``privacy`` for such an algorithm
+        (``tests/test_privacy_combinations.py`` checks the declaration against the
+        algorithm's own client message).
+      example_dp: its local training can run example-level DP-SGD (``example_privacy``).
     """
 
     name: str
@@ -81,6 +88,8 @@ class AlgorithmSpec:
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     server_optimizer: str | None = None
     doc: str = ""
+    exact_sums: tuple[str, ...] = ()
+    example_dp: bool = False
 
     def server_optimizer_name(self, requested: str | None = None) -> str:
         """The server optimizer for ``requested`` (a ``SERVER_OPTIMIZERS`` name or None):
@@ -145,7 +154,7 @@ class AlgorithmSpec:
                         f" {key!r}; allowed: {', '.join(allowed)}")
             transform = _make_server_optimizer(name, lr=server_lr, **options)
         if example_privacy is not None:
-            if self.build not in (_fedavg, _fedprox):
+            if not self.example_dp:
                 raise ValueError(f"algorithm {self.name!r} has no example-level DP-SGD; use "
                                  "fedavg, fedprox or a FedOpt name, or user-level DP")
             own["example_privacy"] = example_privacy
@@ -181,28 +190,34 @@ def _scaffold(option):
 
 
 _REDDI = "Reddi et al. 2021"
+_SCAFFOLD_SUMS = ("the control-variate deltas Δc_i (model-sized, from its gradients)",)
 ALGORITHMS: dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
-    AlgorithmSpec("fedavg", _fedavg, doc="FedAvg (McMahan et al. 2017)"),
+    AlgorithmSpec("fedavg", _fedavg, doc="FedAvg (McMahan et al. 2017)", example_dp=True),
     AlgorithmSpec("fedsgd", _fedsgd, doc="FedSGD, one full-batch gradient a client"
                   " (McMahan et al. 2017)"),
     AlgorithmSpec("fedprox", _fedprox, {"mu": 0.01}, doc="FedProx, FedAvg with a proximal"
-                  " term (μ/2)‖w − w_t‖² (Li et al. 2020)"),
+                  " term (μ/2)‖w − w_t‖² (Li et al. 2020)", example_dp=True),
     AlgorithmSpec("scaffold", _scaffold("II"), {"weighting": "uniform"},
-                  doc="SCAFFOLD, Option II (Karimireddy et al. 2020)"),
+                  doc="SCAFFOLD, Option II (Karimireddy et al. 2020)",
+                  exact_sums=_SCAFFOLD_SUMS),
     AlgorithmSpec("scaffold_option1", _scaffold("I"), {"weighting": "uniform"},
-                  doc="SCAFFOLD, Option I (Karimireddy et al. 2020)"),
+                  doc="SCAFFOLD, Option I (Karimireddy et al. 2020)",
+                  exact_sums=_SCAFFOLD_SUMS),
     AlgorithmSpec("fednova", make_fednova, doc="FedNova, normalized averaging of local"
-                  " SGD updates (Wang et al. 2020)"),
+                  " SGD updates (Wang et al. 2020)",
+                  exact_sums=("Σ n_i τ_i and Σ n_i (the clients' local steps and data "
+                              "sizes, for τ_eff)",)),
     AlgorithmSpec("fedadagrad", _fedavg, server_optimizer="adagrad",
-                  doc=f"FedAdagrad, FedAvg with server Adagrad ({_REDDI})"),
+                  doc=f"FedAdagrad, FedAvg with server Adagrad ({_REDDI})", example_dp=True),
     AlgorithmSpec("fedadam", _fedavg, server_optimizer="adam",
-                  doc=f"FedAdam, FedAvg with server Adam, no bias correction ({_REDDI})"),
+                  doc=f"FedAdam, FedAvg with server Adam, no bias correction ({_REDDI})",
+                  example_dp=True),
     AlgorithmSpec("fedyogi", _fedavg, server_optimizer="yogi",
-                  doc=f"FedYogi, FedAvg with server Yogi ({_REDDI})"),
+                  doc=f"FedYogi, FedAvg with server Yogi ({_REDDI})", example_dp=True),
     AlgorithmSpec("fedamsgrad", _fedavg, server_optimizer="amsgrad",
-                  doc=f"FedAMSGrad, FedAvg with server AMSGrad ({_REDDI})"),
+                  doc=f"FedAMSGrad, FedAvg with server AMSGrad ({_REDDI})", example_dp=True),
     AlgorithmSpec("fedavgm", _fedavg, server_optimizer="momentum",
-                  doc="FedAvgM, FedAvg with server momentum (Hsu et al. 2019)"),
+                  doc="FedAvgM, FedAvg with server momentum (Hsu et al. 2019)", example_dp=True),
 )}
 """Name -> :class:`AlgorithmSpec`, called as ``ALGORITHMS[name](loss_fn, *, num_clients,
 client_lr, **options)``."""

@@ -7,10 +7,10 @@ the placement primitives: whether a client attacks is a per-client lookup of its
 id (``map_clients``); an omniscient attack reads the honest clients' coordinate-wise mean μ
 and standard deviation σ at the server (``fed.weighted_mean`` over the honest real clients)
 and gets its vector back to the attackers with ``fed.broadcast``. Attackers keep their
-weights (they report their n_k as honest clients do); padding clients (weight 0) never
-attack, whatever their id. Notation and parameters: papers.md §9 (ByzFL, Baruch et al.,
-Xie et al., Sun et al.). The updates are FedAvg's Δ_k = w_t − w_k, a pseudo-gradient, so
-the gradient attacks apply to them unchanged.
+weights (they report their n_k as honest clients do); padding clients (weight 0) never attack,
+whatever their id. Notation and parameters: ByzFL, Baruch et al., Xie et al., Sun et al.
+(docs/references.md, robust aggregation and attacks). The updates are FedAvg's Δ_k = w_t − w_k, a
+pseudo-gradient, so the gradient attacks apply to them unchanged.
 
 * ``sign_flip()``: −μ (ByzFL ``SignFlipping``); ``mode="own"``: −Δ_k.
 * ``scaled(λ)``: λ·Δ_k, boosted (Sun et al.'s model replacement: λ = clients per round, the
@@ -23,6 +23,9 @@ the gradient attacks apply to them unchanged.
 
 σ is the unbiased standard deviation (ddof = 1, ``torch.std``'s, as the third-party ALIE
 implementations use); with fewer than two honest clients it is 0.
+
+Each adversary carries its attackers' population ids as its ``attackers`` attribute (sorted
+int64), from which ``attacked`` marks them in every round's diagnostics.
 """
 
 from __future__ import annotations
@@ -50,6 +53,12 @@ def alie_z(n: Any, f: Any) -> Any:
     s = jnp.floor(n / 2 + 1) - jnp.asarray(f, jnp.float32)
     p = jnp.clip((n - s) / jnp.maximum(n, 1), 0.5, 1 - 1e-6)
     return ndtri(p)
+
+
+def _carrying(adversary: Adversary, attackers: np.ndarray) -> Adversary:
+    """``adversary`` with its attackers' ids as its ``attackers`` attribute."""
+    adversary.attackers = np.sort(np.asarray(attackers, np.int64))
+    return adversary
 
 
 def _rows(mask, leaf):
@@ -110,7 +119,7 @@ def _omniscient(attackers: np.ndarray, num_clients: int,
         cohort = _Cohort(table, weights, client_ids)
         return _replace(updates, cohort, vector(updates, cohort)), weights
 
-    return adversary
+    return _carrying(adversary, attackers)
 
 
 def sign_flip(attackers: np.ndarray, num_clients: int, mode: str = "mean") -> Adversary:
@@ -181,7 +190,7 @@ def scaled(attackers: np.ndarray, num_clients: int, factor: float | None = None,
 
         return fed.map_clients(client, updates, cohort.attacker, lam), weights
 
-    return adversary
+    return _carrying(adversary, attackers)
 
 
 def gaussian(attackers: np.ndarray, num_clients: int, stddev: float = 1.0,
@@ -208,7 +217,7 @@ def gaussian(attackers: np.ndarray, num_clients: int, stddev: float = 1.0,
 
         return fed.map_clients(client, updates, cohort.attacker, raw), weights
 
-    return adversary
+    return _carrying(adversary, attackers)
 
 
 UPDATE_ATTACKS: dict[str, Callable[..., Adversary]] = {

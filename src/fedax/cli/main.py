@@ -17,6 +17,7 @@ import _thread
 import argparse
 import contextlib
 import errno
+import math
 import os
 import shlex
 import signal
@@ -65,15 +66,46 @@ def resolve_config(name_or_path: str) -> Path:
 # ------------------------------------------------------------------------------ run dirs
 
 
-def resume_command(args, out: Path) -> str:
-    """The exact ``fedax run ... --out OUT --resume`` that continues this run."""
+def run_command(args, out: Path | None = None, flag: str | None = None,
+                settings: tuple[str, ...] = ()) -> str:
+    """The exact ``fedax run CONFIG [--set ...] [--out OUT] [--devices N] [FLAG]`` of this
+    command, ``settings`` (``key=value``) replacing its ``--set`` of those keys."""
+    keys = {item.partition("=")[0].strip() for item in settings}
     parts = ["fedax", "run", args.config]
-    for item in args.set:
+    for item in [*(i for i in args.set if i.partition("=")[0].strip() not in keys), *settings]:
         parts += ["--set", item]
-    parts += ["--out", str(out)]
+    if out is not None:
+        parts += ["--out", str(out)]
     if args.devices is not None:
         parts += ["--devices", str(args.devices)]
-    return shlex.join([*parts, "--resume"])
+    return shlex.join([*parts, *([flag] if flag else [])])
+
+
+def resume_command(args, out: Path, settings: tuple[str, ...] = ()) -> str:
+    """The exact ``fedax run ... --out OUT --resume`` that continues this run."""
+    return run_command(args, out, "--resume", settings)
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first: what
+    creating ``path`` creates, and what a failed command removes again if still empty."""
+    missing = []
+    for p in (path, *path.parents):
+        if os.path.lexists(p) or p == Path(p.anchor):
+            break
+        missing.append(p)
+    return missing
+
+
+def remove_if_empty(directories: list[Path]) -> None:
+    """Removes each of ``directories`` (deepest first) while it is empty: a command that
+    failed before producing a result leaves no directory it created behind."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (it holds results), or already gone
+            if directory.exists():
+                return
 
 
 def _runs_of(parent: Path, name: str) -> list[Path]:
@@ -87,38 +119,55 @@ def _runs_of(parent: Path, name: str) -> list[Path]:
     return sorted(found, key=lambda p: p.stat().st_mtime)
 
 
-def claim_out(args, name: str) -> tuple[Path, bool]:
-    """The run's directory and whether this call created it (``--out``, else a new
-    ``runs/<name>-<time>``). Raises ``CommandError`` for a directory holding a run that
-    neither ``--resume`` nor ``--overwrite`` may take, and for ``--resume`` without
-    ``--out`` (naming the newest run of the config)."""
-    from fedax.experiments.run import RUN_OUTPUTS, is_run_dir, new_run_dir
+def claim_out(args, name: str, config) -> tuple[Path, list[Path]]:
+    """The run's directory (``--out``, else a new ``runs/<name>-<time>``) and the
+    directories this command creates for it (see ``_missing_dirs``). Raises
+    ``CommandError`` for a directory holding a run that neither ``--resume`` nor
+    ``--overwrite`` may take, and for ``--resume`` without ``--out`` (naming the newest run
+    that ``config`` continues, if any). Every command a message suggests runs as printed."""
+    from fedax.experiments.run import RUN_OUTPUTS, is_run_dir, new_run_dir, run_progress
     from fedax.simulation.checkpoint import list_checkpoints
 
     if args.out is None:
         if args.resume:
             runs = _runs_of(Path("runs"), name)
-            if not runs:
-                raise CommandError(f"--resume needs --out DIR, the run to continue (no run of "
-                                   f"{name} in runs/); start one without --resume", 2)
-            raise CommandError(f"--resume needs --out DIR, the run to continue; the newest run"
-                               f" of {name} is {runs[-1]}: {resume_command(args, runs[-1])}", 2)
-        return new_run_dir(Path("runs"), name), True
+            ours = [run for run in runs if run_progress(config, run) is not None]
+            if ours:
+                raise CommandError(f"--resume needs --out DIR, the run to continue; the newest "
+                                   f"run of {name} that this config continues is {ours[-1]}: "
+                                   f"{resume_command(args, ours[-1])}", 2)
+            found = (f"no run of {name} in runs/" if not runs else
+                     f"no run of {name} in runs/ has a checkpoint that this config continues")
+            hint = ("" if config.checkpoint_every else
+                    " (add --set checkpoint_every=N to save a checkpoint every N rounds)")
+            raise CommandError(f"--resume needs --out DIR, the run to continue ({found}); start "
+                               f"a new run with: {run_command(args)}{hint}", 2)
+        missing = _missing_dirs(Path("runs"))
+        out = new_run_dir(Path("runs"), name)
+        return out, [out, *missing]
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise CommandError(f"--out {out} is a file; --out names a directory (created if "
                            "missing)", 2)
     if not is_run_dir(out):
-        return out, False
+        return out, _missing_dirs(out)
     held = ", ".join(n for n in RUN_OUTPUTS if (out / n).exists())
+    replace = run_command(args, out, "--overwrite")
     if args.resume and not list_checkpoints(out / "checkpoints"):
         raise CommandError(f"cannot resume: {out} holds a run ({held}) but no checkpoint in "
-                           f"{out / 'checkpoints'}; start it over with --overwrite, or choose "
+                           f"{out / 'checkpoints'}; start it over with: {replace}, or choose "
                            "another --out", 2)
     if not (args.resume or args.overwrite):
-        raise CommandError(f"{out} already holds a run ({held}); pass --resume to continue "
-                           "it, --overwrite to replace it, or choose another --out", 2)
-    return out, False
+        if run_progress(config, out) is not None:
+            raise CommandError(f"{out} already holds a run ({held}); continue it with: "
+                               f"{resume_command(args, out)}, replace it with: {replace}, or "
+                               "choose another --out", 2)
+        why = ("" if list_checkpoints(out / "checkpoints")
+               else ", having no checkpoint")
+        raise CommandError(f"{out} already holds a run ({held}) that this config cannot "
+                           f"continue{why}; replace it with: {replace}, or choose another "
+                           "--out", 2)
+    return out, []
 
 
 def _last_round(metrics: Path, since: float) -> int | None:
@@ -226,8 +275,8 @@ def launch_processes(args) -> int:
 
     from fedax.experiments.config import load_config
 
-    load_config(resolve_config(args.config), args.set)  # a bad config: one line, no launch
-    out, _ = claim_out(args, Path(args.config).stem)
+    config = load_config(resolve_config(args.config), args.set)  # a bad one: no launch
+    out, _ = claim_out(args, Path(args.config).stem, config)
     out.mkdir(parents=True, exist_ok=True)
     n, per = args.num_processes, args.devices or 1
     coordinator = f"127.0.0.1:{_free_port()}"
@@ -277,7 +326,7 @@ def launch_processes(args) -> int:
 def cmd_run(args) -> int:
     from fedax.experiments.config import load_config
     from fedax.experiments.run import dumps, run_experiment, strict_json
-    from fedax.simulation.checkpoint import CheckpointError
+    from fedax.simulation.checkpoint import CheckpointError, ResumeError
 
     _check_processes(args)
     if args.num_processes and args.num_processes > 1 and args.process_id is None:
@@ -291,15 +340,19 @@ def cmd_run(args) -> int:
             raise CommandError(str(err), 2) from err
     config = load_config(resolve_config(args.config), args.set)
     name = Path(args.config).stem
-    out, created = claim_out(args, name)
+    out, created = claim_out(args, name, config)
     since = time.time()
     try:
         summary = run_experiment(config, out, progress=not args.no_progress,
                                  resume=args.resume, title=name)
     except BaseException as err:
-        if created:
-            with contextlib.suppress(OSError):
-                out.rmdir()  # only if the run left nothing there
+        remove_if_empty(created)  # only what this command created, if it left nothing there
+        if isinstance(err, ResumeError):
+            then = (f"continue it with: {resume_command(args, out, err.settings)}, or "
+                    if err.settings else "")
+            raise CommandError(
+                f"cannot resume the run in {out}: {err}; nothing in {out} was changed: "
+                f"{then}start over with: {run_command(args, out, '--overwrite')}", 2) from err
         if isinstance(err, CheckpointError):
             raise CommandError(
                 f"cannot resume from {out / 'checkpoints'}: {err}; nothing in {out} was "
@@ -315,9 +368,15 @@ def cmd_run(args) -> int:
         if isinstance(err, OSError):
             raise CommandError(os_error_message(err, out)) from err
         raise
-    print(dumps(strict_json({k: summary[k] for k in (
-        "rounds_run", "final_test_accuracy", "best_test_accuracy", "rounds_to_target",
-        "wall_time_s")})[0], indent=2))
+    from fedax.experiments.privacy_plan import console_lines
+
+    shown = {k: summary[k] for k in ("status", "rounds_run", "final_test_accuracy",
+                                     "best_test_accuracy", "rounds_to_target", "wall_time_s")}
+    if summary.get("privacy"):
+        shown["epsilon"] = summary["privacy"]["epsilon"]
+    print(dumps(strict_json(shown)[0], indent=2))
+    for line in console_lines(summary):
+        print(line)
     print(f"outputs in {out}/ (metrics.jsonl, summary.json, accuracy.png, tensorboard/)")
     return 0
 
@@ -328,12 +387,12 @@ def _interrupted_run(args, config, out: Path, err: BaseException, since: float) 
     if ckpt:
         return (f"{where}, newest checkpoint at round {ckpt}; continue with: "
                 f"{resume_command(args, out)}")
+    again = run_command(args, out, "--overwrite")
     if every:
         return (f"{where}; no checkpoint yet (one every {every} rounds), so nothing to "
-                f"resume: start again with --out {out} --overwrite")
+                f"resume: start again with: {again}")
     return (f"{where}; no checkpoint to resume from (the config saves none): start again "
-            f"with --out {out} --overwrite, adding --set checkpoint_every=N to save one "
-            "every N rounds")
+            f"with: {again} (add --set checkpoint_every=N to save one every N rounds)")
 
 
 def _demo_plan(run_dir: Path, config, overwrite: bool) -> str:
@@ -413,23 +472,38 @@ def cmd_demo(args) -> int:
 
 
 def _demo_run(args, config, run_dir: Path, label: str, name: str, plan: str) -> dict:
-    from fedax.experiments.run import run_experiment
+    from fedax.experiments.run import is_run_dir, run_experiment
+    from fedax.simulation.checkpoint import CheckpointError
 
     since = time.time()
+    created = _missing_dirs(run_dir)
+    command = shlex.join(["fedax", "demo", "--out", args.out,
+                          *[x for item in args.set for x in ("--set", item)],
+                          *(["--devices", str(args.devices)] if args.devices else [])])
     try:
         return run_experiment(config, run_dir, progress=not args.no_progress, label=label,
                               resume=plan == "resume", title=f"{label}: {name}")
-    except KeyboardInterrupt as err:
-        finish_pending_work()
-        where, ckpt = where_stopped(err, run_dir, since, checkpoints=True)
-        command = shlex.join(["fedax", "demo", "--out", args.out,
-                              *[x for item in args.set for x in ("--set", item)]])
-        then = (f"this one resumes from round {ckpt}" if ckpt
-                else f"delete {run_dir} first, it has no checkpoint")
-        raise CommandError(f"{label} run {where}; continue with: {command} (finished runs are "
-                           f"reused; {then})", 130, "interrupted") from err
-    except OSError as err:
-        raise CommandError(os_error_message(err, run_dir)) from err
+    except BaseException as err:
+        remove_if_empty(created)
+        if isinstance(err, KeyboardInterrupt):
+            finish_pending_work()
+            where, ckpt = where_stopped(err, run_dir, since, checkpoints=True)
+            if ckpt:
+                then = f"continue with: {command} (finished runs are reused; this one " \
+                       f"resumes from round {ckpt})"
+            elif is_run_dir(run_dir):
+                then = (f"it has no checkpoint: delete {run_dir}, then continue with: "
+                        f"{command} (finished runs are reused)")
+            else:
+                then = f"continue with: {command} (finished runs are reused)"
+            raise CommandError(f"{label} run {where}; {then}", 130, "interrupted") from err
+        if isinstance(err, CheckpointError):
+            raise CommandError(f"cannot resume {run_dir}: {err}; nothing in it was changed: "
+                               f"delete it to run it again, or rerun both with: {command} "
+                               "--overwrite", 2) from err
+        if isinstance(err, OSError):
+            raise CommandError(os_error_message(err, run_dir)) from err
+        raise
 
 
 def cmd_reproduce(args) -> int:
@@ -510,38 +584,83 @@ def _privacy_error(err: ValueError) -> CommandError:
     return CommandError(text, 2)
 
 
-def _privacy_options(args) -> dict:
-    return {"accountant": args.accountant, "sampling": args.sampling,
-            "population": args.population, "extra_releases_per_round": args.extra_releases}
+def _privacy_setting(args) -> tuple[float, dict]:
+    """q and the accounting options of ``fedax privacy epsilon|noise``. Fixed-size sampling
+    (the default, as in ``fedax run``) draws m = floor(q*N) of the N clients each round, as a
+    run with ``client_fraction`` q does (``fedax.data.sample_clients``), so q becomes m/N."""
+    sampling = args.sampling or "fixed"
+    if sampling == "fixed" and args.population is None:
+        default = " (the default, as in fedax run)" if args.sampling is None else ""
+        raise CommandError(f"fixed-size sampling{default} needs the number of clients N: "
+                           "give --population N, or --sampling poisson", 2)
+    if sampling == "fixed" and args.accountant == "pld":
+        raise CommandError("--accountant pld has no event for fixed-size sampling without "
+                           "replacement (the default, as in fedax run); use --accountant rdp, "
+                           "or --sampling poisson", 2)
+    q = args.q
+    if sampling == "fixed" and 0 < q <= 1 and args.population >= 1:
+        n = args.population
+        q = min(max(math.floor(q * n + 1e-9), 1), n) / n  # sample_clients' m, over N
+    return q, {"accountant": args.accountant, "sampling": sampling,
+               "population": args.population, "extra_releases_per_round": args.extra_releases}
+
+
+def _sampling_line(args, q: float, options: dict) -> str:
+    """The sampling and the neighbouring relation an ε assumes, in one line."""
+    n = options["population"]
+    if options["sampling"] == "poisson":
+        of = f" of N = {n}" if n is not None else ""
+        return (f"sampling: Poisson (each client with probability q = {q:g} per round{of}), "
+                "neighbours: add-or-remove-one client")
+    m = round(q * n)
+    drawn = (f"; q*N = {args.q * n:g} is not whole: m = {m}, as a run with client_fraction "
+             f"{args.q:g} draws" if abs(args.q * n - m) > 1e-9 * n else "")
+    return (f"sampling: fixed-size (m = {m} of N = {n} without replacement{drawn}), "
+            "neighbours: replace-one client")
 
 
 def cmd_privacy_epsilon(args) -> int:
     from fedax.privacy import describe, epsilon
 
-    options = _privacy_options(args)
+    q, options = _privacy_setting(args)
     try:
-        eps = epsilon(args.z, args.q, args.rounds, args.delta, **options)
-        assumes = describe(args.z, args.q, **options)
+        eps = epsilon(args.z, q, args.rounds, args.delta, **options)
+        assumes = describe(args.z, q, **options)
     except ValueError as err:
         raise _privacy_error(err) from err
     print(f"epsilon = {_round_up(eps)} at delta = {args.delta:g} after {args.rounds} rounds")
+    print(_sampling_line(args, q, options))
     print(f"assumes: {assumes}")
     return 0
 
 
 def cmd_privacy_noise(args) -> int:
-    from fedax.privacy import describe, epsilon, noise_multiplier_for
+    """z for a target ε. The search's trouble (its upper bound of z hit, or the accountant's
+    floor) is a one-line warning; the status is 0 only if the printed z (rounded up) has
+    ε <= the target, else 1 with a one-line error."""
+    from fedax.privacy import describe, epsilon
+    from fedax.privacy.accounting import search_noise_multiplier
 
-    options = _privacy_options(args)
+    q, options = _privacy_setting(args)
     try:
-        z = float(_round_up(noise_multiplier_for(args.epsilon, args.q, args.rounds, args.delta,
-                                                 **options)))
-        eps = epsilon(z, args.q, args.rounds, args.delta, **options)
-        assumes = describe(z, args.q, **options)
+        found = search_noise_multiplier(args.epsilon, q, args.rounds, args.delta, **options)
+        if found.warning is not None:
+            print(f"fedax: warning: {found.warning}", file=sys.stderr)
+        if not found.reached:
+            raise CommandError(f"{found.error}; raise --epsilon or --delta, or lower --rounds")
+        z = float(_round_up(found.noise_multiplier))
+        eps = epsilon(z, q, args.rounds, args.delta, **options)
+        assumes = describe(z, q, **options)
     except ValueError as err:
         raise _privacy_error(err) from err
+    if not eps <= args.epsilon:
+        raise CommandError(f"the noise multiplier found, z = {_round_up(z)} (rounded up), has "
+                           f"epsilon {_round_up(eps)} > {args.epsilon:g}: the accountant's "
+                           "epsilon does not fall steadily with z here; raise --epsilon or "
+                           "--delta")
     print(f"noise multiplier z = {_round_up(z)} (epsilon = {_round_up(eps)} <= "
           f"{args.epsilon:g} at delta = {args.delta:g} after {args.rounds} rounds)")
+    print(_sampling_line(args, q, options))
     print(f"assumes: {assumes}")
     return 0
 
@@ -596,9 +715,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the run in --out (required) from its newest valid checkpoint "
              "(OUT/checkpoints/, written every checkpoint_every rounds; set e.g. --set "
              "checkpoint_every=50 when starting the run). Same config and --set values "
-             "required, else nothing is changed; the result (metrics.jsonl, final model) is "
-             "identical to an uninterrupted run's, elapsed_s aside. An empty or new --out "
-             "starts from round 0",
+             "required, else nothing is changed, except that rounds may grow (--set rounds=N "
+             "extends a finished run); the result (metrics.jsonl, final model) is identical "
+             "to an uninterrupted run's, elapsed_s aside. An empty or new --out starts from "
+             "round 0",
     )
     again.add_argument("--overwrite", action="store_true",
                        help="replace the run in --out (its outputs go at the new run's first "
@@ -673,12 +793,14 @@ def build_parser() -> argparse.ArgumentParser:
                             help="the delta of (epsilon, delta)-DP; well below 1/N")
     accounting.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
                             help="RDP (default, conservative) or PLD (tighter, slower)")
-    accounting.add_argument("--sampling", choices=("poisson", "fixed"), default="poisson",
-                            help="poisson (default; add-or-remove-one neighbours) or fixed: "
-                                 "q*N of N clients without replacement (RDP, replace-one "
-                                 "neighbours; needs --population)")
+    accounting.add_argument("--sampling", choices=("fixed", "poisson"),
+                            help="fixed (the default, as in fedax run: m = floor(q*N) of the N "
+                                 "clients each round without replacement; RDP, replace-one "
+                                 "neighbours; needs --population) or poisson (each client "
+                                 "with probability q; add-or-remove-one neighbours)")
     accounting.add_argument("--population", type=int, metavar="N",
-                            help="number of clients (checks delta < 1/N)")
+                            help="number of clients: needed by fixed sampling; with poisson "
+                                 "it checks delta < 1/N")
     accounting.add_argument("--extra-releases", type=int, default=0, metavar="K",
                             help="more Gaussian releases per round on the same cohort, at the "
                                  "same z (e.g. a hypergradient's noised sum)")

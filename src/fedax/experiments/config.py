@@ -24,6 +24,7 @@ so ``server.optimizer`` is then absent or that name; otherwise it defaults to ``
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 import re
@@ -235,6 +236,9 @@ class LearnedLRConfig(_Section):
     hyper_lr: Number = Field(0.05, gt=0, allow_inf_nan=False)
     holdout_clients: int | None = Field(None, ge=1)  # default: the cohort size
     mode: Literal["forward", "reverse"] = "forward"
+    # With privacy (user level): one holdout client's bound in the privatized hypergradient,
+    # |dF_k/d log η| (forward) or ‖∇F_k‖ (reverse) (fedax.hyper.private_learned_server_lr).
+    clip: Number | None = Field(None, gt=0, allow_inf_nan=False)
 
 
 class PrivacyConfig(_Section):
@@ -247,7 +251,8 @@ class PrivacyConfig(_Section):
     ``mechanism``: ``gaussian`` (a fixed clip ``clip``, flat or ``per_layer``), ``adaptive``
     (Andrew et al.'s quantile-tracking clip from ``clip``, default 0.1, towards
     ``target_quantile`` at ``clip_learning_rate``, the count noised with ``count_stddev``,
-    default m/20) or ``adaclip`` (coordinate-wise, from ``clip``; ``pin_scale: true`` pins
+    default max(m/20, z): it must exceed z/2, and m/20 alone does not on small cohorts) or
+    ``adaclip`` (coordinate-wise, from ``clip``; ``pin_scale: true`` pins
     its scale at ``clip`` so that only the allocation over coordinates adapts, the stable
     choice when d·z²/m > 1). ``noise_multiplier`` z,
     or ``target_epsilon`` alone (then z is the smallest that keeps ``rounds`` rounds within
@@ -255,7 +260,13 @@ class PrivacyConfig(_Section):
     ``sampling``: ``fixed`` (the cohort of ``client_fraction``·N clients, as without DP;
     accounted as sampling without replacement, replace-one neighbours) or ``poisson`` (each
     client joins with probability ``client_fraction``; add-or-remove-one neighbours).
-    The denominator of the average is the expected cohort size m."""
+    The denominator of the average is the expected cohort size m.
+
+    Every upload of a round is privatized and counted, or the run is refused here
+    (``private_combination``): an algorithm that uploads exact sums beside its update
+    (SCAFFOLD, FedNova: their registry's ``exact_sums``) cannot run under user-level DP,
+    and ``server.lr: learned`` privatizes its holdout hypergradient (``learned_lr.clip``),
+    one more release a round (``fedax.experiments.privacy_plan``)."""
 
     level: Literal["user", "example"] = "user"
     mechanism: Literal["gaussian", "adaptive", "adaclip"] | None = None
@@ -305,6 +316,15 @@ class PrivacyConfig(_Section):
             for key in ("count_stddev",):
                 if getattr(self, key) is not None:
                     raise _KeyedError(f"privacy.{key}", "applies to mechanism 'adaptive' only")
+        if self.mechanism == "adaptive" and self.count_stddev is not None \
+                and self.noise_multiplier is not None and self.noise_multiplier > 0 \
+                and not self.noise_multiplier < 2 * self.count_stddev:
+            raise _KeyedError(
+                "privacy.count_stddev", f"{self.count_stddev:g} is too small for "
+                f"noise_multiplier {self.noise_multiplier:g}: adaptive clipping needs z < "
+                f"2*count_stddev (the count's noise must leave budget for the update's); "
+                f"set it above {self.noise_multiplier / 2:g} or omit it (default "
+                "max(m/20, z))")
         if self.accountant == "pld" and self.sampling == "fixed":
             raise _KeyedError("privacy.accountant", "'pld' needs sampling: poisson "
                                                     "(dp-accounting has no PLD for sampling "
@@ -351,14 +371,14 @@ class CompressionConfig(_Section):
 
 
 class RobustConfig(_Section):
-    """A robust aggregator (``fedax.aggregators.robust``, papers.md §9) instead of the
-    weighted mean: ``rule`` ``median`` or ``trimmed_mean`` (``beta``: ⌊β·n⌋ cut per end;
-    Yin et al.), ``krum`` (``byzantine`` f) or ``multi_krum`` (f and ``keep`` m; Blanchard
-    et al.), ``geometric_median`` (RFA's smoothed Weiszfeld, ``iterations``, ``smoothing``;
-    Pillutla et al.) or ``norm_bounding`` (clip to ``norm_bound`` M, then the mean, with
-    ``noise_stddev`` the "weak DP" noise; Sun et al.). ``clip``: clip each update to this
-    norm first (a client stage before the rule). With ``privacy`` it is an error: DP noise
-    needs a sum (see ``fedax.aggregators.check_private_reduction``)."""
+    """A robust aggregator (``fedax.aggregators.robust``; docs/references.md, robust aggregation and
+    attacks) instead of the weighted mean: ``rule`` ``median`` or ``trimmed_mean`` (``beta``: ⌊β·n⌋
+    cut per end; Yin et al.), ``krum`` (``byzantine`` f) or ``multi_krum`` (f and ``keep`` m;
+    Blanchard et al.), ``geometric_median`` (RFA's smoothed Weiszfeld, ``iterations``,
+    ``smoothing``; Pillutla et al.) or ``norm_bounding`` (clip to ``norm_bound`` M, then the mean,
+    with ``noise_stddev`` the "weak DP" noise; Sun et al.). ``clip``: clip each update to this norm
+    first (a client stage before the rule). With ``privacy`` it is an error: DP noise needs a sum
+    (see ``fedax.aggregators.check_private_reduction``)."""
 
     rule: Literal["median", "trimmed_mean", "krum", "multi_krum", "geometric_median",
                   "norm_bounding"]
@@ -396,14 +416,14 @@ class RobustConfig(_Section):
 
 
 class AttackConfig(_Section):
-    """Simulated attackers (``fedax.attacks``, papers.md §9): a ``fraction`` of the
-    population, chosen by ``seed`` (default: the run's seed), misbehaves every round it is
-    sampled. ``kind``: ``label_flip`` (train on y' = K−1−y), ``backdoor`` (a fraction
-    ``poison_fraction`` of their examples carry a 4×4 trigger and label ``target``; with
-    ``scale``, the update is boosted by λ after projecting to ``project``; the records get
-    ``backdoor_success``), ``sign_flip`` (−μ of the honest updates), ``scaled`` (λ·Δ,
-    ``scale`` λ default: clients per round, ``project``), ``gaussian`` (N(0, ``stddev``²)),
-    ``alie`` (μ − zσ, ``z`` default Baruch et al.'s z_max) or ``ipm`` (−``epsilon``·μ)."""
+    """Simulated attackers (``fedax.attacks``; docs/references.md, robust aggregation and attacks):
+    a ``fraction`` of the population, chosen by ``seed`` (default: the run's seed), misbehaves every
+    round it is sampled. ``kind``: ``label_flip`` (train on y' = K−1−y), ``backdoor`` (a fraction
+    ``poison_fraction`` of their examples carry a 4×4 trigger and label ``target``; with ``scale``,
+    the update is boosted by λ after projecting to ``project``; the records get
+    ``backdoor_success``), ``sign_flip`` (−μ of the honest updates), ``scaled`` (λ·Δ, ``scale`` λ
+    default: clients per round, ``project``), ``gaussian`` (N(0, ``stddev``²)), ``alie`` (μ − zσ,
+    ``z`` default Baruch et al.'s z_max) or ``ipm`` (−``epsilon``·μ)."""
 
     kind: Literal["label_flip", "backdoor", "sign_flip", "scaled", "gaussian", "alie", "ipm"]
     fraction: Number = Field(ge=0, lt=1)
@@ -598,6 +618,57 @@ class Config(_Section):
                              "learned by hypergradient)")
         return value
 
+    @model_validator(mode="after")
+    def _private_combination(self) -> Config:
+        refused = private_combination(self)
+        if refused is not None:
+            raise _KeyedError(*refused)
+        return self
+
+
+def private_combination(config: Config) -> tuple[str, str] | None:
+    """Why ``config``'s combination cannot run under its ``privacy`` section, as ``(key,
+    message)``, or None when every upload of its rounds is privatized and counted.
+
+    Decided from what the registries declare, not from a list of names: an algorithm's
+    ``exact_sums`` (uploads beside the update that no DP mechanism privatizes) and its
+    ``example_dp``; the learned server lr's holdout hypergradient, privatized only at the
+    user level, with ``learned_lr.clip``, on a cohort sampled like the train cohort."""
+    p, spec = config.privacy, ALGORITHMS[config.algorithm]
+    learned = config.server.lr == "learned"
+    if p is None:
+        if config.learned_lr.clip is not None:
+            return ("learned_lr.clip", "applies only with privacy (the bound of one holdout "
+                                       "client in the privatized hypergradient); omit it")
+        return None
+    if p.level == "example":
+        if not spec.example_dp:
+            able = ", ".join(n for n, s in ALGORITHMS.items() if s.example_dp)
+            return ("privacy.level", f"algorithm {config.algorithm!r} has no example-level "
+                                     f"DP-SGD in its local training; use one of {able}, or "
+                                     "level user")
+        if learned:
+            return ("server.lr", "'learned' with privacy level 'example': the holdout "
+                                 "hypergradient is a release of the holdout clients' data "
+                                 "that the example-level epsilon does not count; use level "
+                                 "user (it privatizes the hypergradient) or a fixed server.lr")
+        return None
+    if spec.exact_sums:
+        able = ", ".join(n for n, s in ALGORITHMS.items() if not s.exact_sums)
+        return ("privacy", f"algorithm {config.algorithm!r} uploads "
+                           f"{'; '.join(spec.exact_sums)} as exact sums beside the update, "
+                           "which no DP mechanism clips or noises, so epsilon could not "
+                           f"cover what the run releases; use one of {able}, or drop privacy")
+    if learned and config.learned_lr.clip is None:
+        return ("learned_lr.clip", "required with server.lr: learned and privacy: the bound "
+                                   "of one holdout client's |dF_k/d log lr| (forward) or "
+                                   "gradient norm (reverse) in the privatized hypergradient")
+    if learned and p.sampling != "fixed":
+        return ("privacy.sampling", "'poisson' with server.lr: learned: the holdout cohort "
+                                    "is drawn at fixed size, which Poisson accounting does "
+                                    "not cover; use sampling fixed")
+    return None
+
 
 def resolved_server_optimizer(config: Config) -> ResolvedServerOptimizer:
     """The config's server optimizer with every hyperparameter's value, and which of them
@@ -678,17 +749,41 @@ def _field_at(path: Sequence[str | int]) -> FieldInfo | None:
     return parent.model_fields.get(path[-1]) if parent is not None else None
 
 
+def _closest(name: str, keys: Sequence[str]) -> str | None:
+    """The key ``name`` most likely misspells (difflib's ratio >= 0.6, spelled as is or
+    with its ``_`` words sorted: ``lr_client`` is ``client_lr``), or None."""
+    def words(key: str) -> str:
+        return "_".join(sorted(key.split("_")))
+
+    def score(key: str) -> float:
+        return max(difflib.SequenceMatcher(None, name, key).ratio(),
+                   difflib.SequenceMatcher(None, words(name), words(key)).ratio())
+
+    best = max(keys, key=score, default=None)
+    return best if best is not None and score(best) >= 0.6 else None
+
+
 def _unknown_key(path: Sequence[str], model: type[BaseModel]) -> str:
+    """``unknown config key 'a.b' (did you mean 'a.c'?)``, or with the keys allowed there
+    when none is close."""
+    near = _closest(str(path[-1]), list(model.model_fields))
+    if near:
+        return (f"unknown config key '{'.'.join(path)}' (did you mean "
+                f"'{'.'.join([*path[:-1], near])}'?)")
     return f"unknown config key '{'.'.join(path)}' (allowed: {', '.join(model.model_fields)})"
 
 
 def _one_line(error: ValidationError) -> str:
-    """The first error of a pydantic ValidationError as one line naming the key."""
-    err = error.errors()[0]
+    """The first error of a pydantic ValidationError as one line naming the key; an
+    unknown key first (a misspelled key also makes the key it misspells missing)."""
+    errors = error.errors()
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = [str(part) for part in err["loc"]]
     key = ".".join(loc)
     if err["type"] == "extra_forbidden":
         return _unknown_key(loc, _model_at(loc[:-1]) or Config)
+    if err["type"] == "value_error" and isinstance(err["ctx"]["error"], _KeyedError):
+        return f"config key '{err['ctx']['error'].key}': {err['ctx']['error']}"
     if not loc:
         return f"config must be a mapping of keys to values, got {err['input']!r}"
     field = _field_at(loc)

@@ -43,6 +43,7 @@ from fedax.experiments.config import (
     resolved_server_optimizer,
     validate_config,
 )
+from fedax.experiments.privacy_plan import PrivacyPlan, privacy_plan
 from fedax.models import get_model, softmax_cross_entropy, with_precision
 from fedax.simulation import (
     Execution,
@@ -99,116 +100,8 @@ def partition(config: Config, y: np.ndarray) -> list[np.ndarray]:
     return fdata.unbalanced(len(y), config.num_clients, config.seed)
 
 
-class PrivacyPlan(NamedTuple):
-    """A DP run's aggregator and accounting: z (given, or calibrated to the budget), the
-    sampling probability q, the expected cohort m (the fixed denominator), the ledger that
-    gives ε after any number of rounds, and the rounds the budget allows."""
-
-    aggregator: Any
-    noise_multiplier: float
-    sampling_probability: float
-    expected_clients: float
-    ledger: Any
-    rounds: int
-    example_privacy: tuple[float, float] | None = None
-
-    def summary(self, config: Config, rounds_run: int) -> dict[str, Any]:
-        p = config.privacy
-        return {
-            **p.model_dump(mode="json"), "noise_multiplier": self.noise_multiplier,
-            "noise_multiplier_calibrated": p.noise_multiplier is None,
-            "sampling_probability": self.sampling_probability,
-            "expected_clients": self.expected_clients,
-            # null: no guarantee (z = 0), not a diverged value
-            "epsilon": _finite_or_none(self.ledger.epsilon_after(rounds_run)),
-            "rounds_within_budget": self.rounds,
-            "stopped_by_budget": self.rounds < config.rounds,
-            "accounting": self.ledger.describe(),
-            "epsilon_covers": _COVERS[p.level],
-            "not_covered": _NOT_COVERED,
-        }
-
-
-# What ε is about, and what a DP run records beside it that ε does not cover.
-_COVERS = {
-    "user": "the released models (the noised aggregate of every round) and, for the "
-            "adaptive mechanisms, the noised clip statistics; add-or-remove-one client",
-    "example": "the released models; each client's DP-SGD noise, one example at a time",
-}
-_NOT_COVERED = (
-    "the per-round client statistics in metrics.jsonl (train_loss, local_steps, "
-    "clipped_clients, rejected_clients and the like) are diagnostics computed from client "
-    "data without noise, and evaluation uses the server's test data: publish the model and "
-    "epsilon, not those columns")
-
-
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
-
-
-def privacy_plan(config: Config, num_clients: int,
-                 client_sizes: Any = None) -> PrivacyPlan | None:
-    """The DP aggregator and accountant of ``config.privacy`` (None without one);
-    ``client_sizes`` (n_k) for example-level accounting."""
-    p = config.privacy
-    if p is None:
-        return None
-    from fedax import aggregators
-    from fedax.privacy import ExampleLevelLedger, PrivacyLedger, noise_multiplier_for
-
-    if p.level == "example":
-        if client_sizes is None:
-            raise ValueError("example-level accounting needs the clients' sizes")
-        ledger = ExampleLevelLedger(p.noise_multiplier, client_sizes, config.batch_size,
-                                    config.local_epochs, p.delta)
-        rounds = config.rounds
-        if p.target_epsilon is not None:
-            rounds = ledger.rounds_within(p.target_epsilon, config.rounds)
-            if rounds == 0:
-                raise ConfigError(
-                    f"config key 'privacy.target_epsilon': one round already spends epsilon "
-                    f"{ledger.epsilon_after(1):.3g} > {p.target_epsilon:g}; raise the noise "
-                    "or the budget")
-        m = len(fdata.sample_clients(0, num_clients, config.client_fraction))
-        return PrivacyPlan(None, float(p.noise_multiplier), m / num_clients, m, ledger,
-                           rounds, (float(p.clip), float(p.noise_multiplier)))
-
-    if p.sampling == "fixed":
-        m = len(fdata.sample_clients(0, num_clients, config.client_fraction))
-        q = m / num_clients
-    else:
-        q = float(config.client_fraction)
-        m = q * num_clients
-    population = num_clients
-    z = p.noise_multiplier
-    if z is None:
-        z = noise_multiplier_for(p.target_epsilon, q, config.rounds, p.delta,
-                                 accountant=p.accountant, sampling=p.sampling,
-                                 population=population)
-    ledger = PrivacyLedger(z, q, p.delta, p.accountant, sampling=p.sampling,
-                           population=population)
-    rounds = config.rounds
-    if p.target_epsilon is not None:
-        rounds = ledger.rounds_within(p.target_epsilon, max_rounds=config.rounds)
-        if rounds == 0:
-            raise ConfigError(
-                f"config key 'privacy.target_epsilon': one round at noise_multiplier {z:g} "
-                f"already spends epsilon {ledger.epsilon_after(1):.3g} > "
-                f"{p.target_epsilon:g}; raise the noise or the budget")
-    if p.mechanism == "gaussian" and config.compression is not None:
-        # Decode, clip each decoded message to S again, sum, noise (keeps the sensitivity).
-        aggregator = aggregators.dp_compressed(compressor(config), p.clip, z, m,
-                                               per_layer=p.per_layer)
-    elif p.mechanism == "gaussian":
-        aggregator = aggregators.dp_gaussian(p.clip, z, m, per_layer=p.per_layer)
-    elif p.mechanism == "adaptive":
-        aggregator = aggregators.dp_adaptive_gaussian(
-            z, m, initial_clip=p.clip or 0.1, target_quantile=p.target_quantile,
-            learning_rate=p.clip_learning_rate, clipped_count_stddev=p.count_stddev)
-    else:
-        aggregator = aggregators.adaclip(z, m, initial_clip=p.clip or 0.1,
-                                         clip_budget=p.clip if p.pin_scale else None)
-    return PrivacyPlan(aggregator, float(z), q, m, ledger, rounds)
 
 
 def compressor(config: Config) -> Any:
@@ -227,10 +120,11 @@ def compressor(config: Config) -> Any:
 def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
                     num_clients: int | None = None, aggregator: Any = None,
                     example_privacy: tuple[float, float] | None = None,
-                    ) -> FederatedAlgorithm:
+                    holdout_privacy: Any = None) -> FederatedAlgorithm:
     """The config's algorithm on ``apply_fn``'s model with the cross-entropy loss (per token,
     PAD targets ignored, when ``sequence``), with ``aggregator`` (default: the weighted
-    mean)."""
+    mean). With ``server.lr: learned``, ``holdout_privacy`` (a ``HoldoutPrivacy``, from the
+    run's privacy plan) privatizes the holdout hypergradient."""
 
     def loss_fn(params, batch: Batches):
         logits = apply_fn(params, batch.x)
@@ -268,7 +162,15 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
     if config.server.lr != "learned":
         return algorithm
     # η lives in the server optimizer's state; it is learned on holdout clients' loss.
-    from fedax.hyper import learned_server_lr_in_state
+    from fedax.hyper import learned_server_lr_in_state, private_learned_server_lr
+
+    if holdout_privacy is not None:
+        return private_learned_server_lr(
+            algorithm, server.hyperparameters["lr"], loss_fn, holdout_privacy,
+            optax.adam(config.learned_lr.hyper_lr), config.learned_lr.mode)
+    if config.privacy is not None:
+        raise ConfigError("config key 'server.lr': 'learned' with privacy needs the plan's "
+                          "holdout privacy (fedax.experiments.privacy_plan)")
 
     return learned_server_lr_in_state(
         algorithm, server.hyperparameters["lr"], loss_fn,
@@ -616,26 +518,104 @@ def _fingerprint(config: Config) -> dict[str, Any]:
             if k != "checkpoint_every" and not (k in _LATER_KEYS and v == _LATER_KEYS[k])}
 
 
+def _config_items(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The config's items of a checkpoint's fingerprint, by dotted key (``privacy.clip``)."""
+    return {k[len("config."):]: v for k, v in fingerprint.items()
+            if str(k).startswith("config.")}
+
+
+def _differ(saved: dict[str, Any], wanted: dict[str, Any], schedule: Any) -> list[str]:
+    from fedax.simulation.checkpoint import fingerprint_differences
+
+    def rest(items):
+        return {k: v for k, v in items.items() if k not in schedule}
+
+    return fingerprint_differences(rest(saved), rest(wanted))
+
+
 def run_progress(config: Config, out: str | os.PathLike[str]) -> dict[str, Any] | None:
     """Where an unfinished run of ``config`` in ``out`` stands, read (never changed) from its
-    newest readable checkpoint whose fingerprint is ``config``'s: ``{"round", "records",
-    "elapsed_s"}``, the records being those a resume continues from. None when ``out`` holds
-    no such checkpoint (no run, another config's, or checkpoints off)."""
+    newest readable checkpoint if ``config`` continues it (its fingerprint is ``config``'s,
+    ``rounds`` aside when no more than ``config.rounds`` are done and no noise multiplier
+    was calibrated to them): ``{"round", "records", "elapsed_s"}``, the records being those
+    a resume continues from. None when ``out`` holds no such checkpoint (no run, another
+    config's, or checkpoints off)."""
     from fedax.simulation import checkpoint as ckpt
     from fedax.simulation.runner import flat_items
 
-    wanted = dict(flat_items(_fingerprint(config), "config."))
-    for _, path in ckpt.list_checkpoints(Path(out) / "checkpoints"):  # newest first
-        try:
-            data = ckpt.read_checkpoint(path)
-        except ckpt.CheckpointError:
-            continue  # torn or corrupt: an older one may still say where the run stands
-        saved = {k: v for k, v in data["fingerprint"].items() if str(k).startswith("config.")}
-        if ckpt.fingerprint_differences(saved, wanted):
-            return None
-        return {"round": int(data["round"]), "records": list(data["history"]),
-                "elapsed_s": float(data["elapsed_s"])}
-    return None
+    data = ckpt.newest_readable(Path(out) / "checkpoints")
+    if data is None:
+        return None
+    calibrated = config.privacy is not None and config.privacy.noise_multiplier is None
+    if _differ(_config_items(data["fingerprint"]), dict(flat_items(_fingerprint(config), "")),
+               () if calibrated else ("rounds",)) or int(data["round"]) > config.rounds:
+        return None
+    return {"round": int(data["round"]), "records": list(data["history"]),
+            "elapsed_s": float(data["elapsed_s"])}
+
+
+def resume_schedule(config: Config, out: str | os.PathLike[str],
+                    plan: PrivacyPlan | None = None,
+                    plan_for: Callable[[Config], PrivacyPlan | None] | None = None,
+                    ) -> tuple[str, ...]:
+    """The config keys in which ``config`` may differ from the run it resumes in ``out``
+    (the newest readable checkpoint's): its schedule. ``rounds`` may grow, the resumed run's
+    records being those of an uninterrupted run of the new length; with the noise
+    multiplier given, ``privacy.target_epsilon`` may change (with z fixed a budget only
+    ends the run) and a z the run had calibrated may now be given
+    (``privacy.noise_multiplier``). ``plan`` is ``config``'s privacy plan and
+    ``plan_for(config)`` makes one (for the z a run calibrated).
+
+    Raises:
+      ResumeError: the checkpoint is of this run (its schedule aside), but the run cannot
+        be continued to ``config``'s schedule: it has done more rounds than ``config`` (or
+        its budget) allows, or its z was calibrated to another number of rounds. Its
+        ``settings`` say under which values it can. Nothing has been changed.
+    """
+    from fedax.simulation import checkpoint as ckpt
+    from fedax.simulation.runner import flat_items
+
+    schedule = ["rounds"]
+    data = ckpt.newest_readable(Path(out) / "checkpoints")
+    if data is None:
+        return tuple(schedule)
+    saved = _config_items(data["fingerprint"])
+    wanted = dict(flat_items(_fingerprint(config), ""))
+    p = config.privacy
+    old_rounds = saved.get("rounds")
+    if p is not None and p.noise_multiplier is not None:
+        schedule.append("privacy.target_epsilon")
+        if saved.get("privacy.noise_multiplier", 0) is None and plan_for is not None \
+                and isinstance(old_rounds, int):  # calibrated then, given now
+            then = p.model_copy(update={"noise_multiplier": None,
+                                        "target_epsilon": saved.get("privacy.target_epsilon")})
+            old = plan_for(config.model_copy(update={"rounds": old_rounds, "privacy": then}))
+            if old is not None and old.noise_multiplier == p.noise_multiplier:
+                schedule.append("privacy.noise_multiplier")
+    if _differ(saved, wanted, schedule):
+        return tuple(schedule)  # another run's: the runner names the differences
+    done = int(data["round"])
+    if p is not None and p.noise_multiplier is None and old_rounds != config.rounds \
+            and isinstance(old_rounds, int) and plan_for is not None:
+        old = plan_for(config.model_copy(update={"rounds": old_rounds}))
+        z = old.noise_multiplier
+        allows = old.ledger.rounds_within(p.target_epsilon, max_rounds=max(config.rounds, 1))
+        raise ckpt.ResumeError(
+            f"its noise multiplier z = {z!r} was calibrated to rounds={old_rounds} "
+            f"(privacy.target_epsilon={p.target_epsilon:g} without privacy.noise_multiplier), "
+            f"and rounds={config.rounds} would change it; to extend the run, fix its z "
+            f"(privacy.noise_multiplier={z!r}) and raise or drop the budget (at that z, "
+            f"{p.target_epsilon:g} allows {allows} rounds)",
+            settings=[f"privacy.noise_multiplier={z!r}", "privacy.target_epsilon=null"])
+    if done > config.rounds:
+        raise ckpt.ResumeError(f"it has done {done} rounds, more than rounds={config.rounds}",
+                               settings=[f"rounds={max(done, old_rounds or 0)}"])
+    if plan is not None and done > plan.rounds:
+        raise ckpt.ResumeError(
+            f"it has done {done} rounds, more than privacy.target_epsilon="
+            f"{p.target_epsilon:g} allows at noise multiplier {plan.noise_multiplier:g} "
+            f"({plan.rounds}); give a budget that allows them")
+    return tuple(schedule)
 
 
 class AttackPlan(NamedTuple):
@@ -701,6 +681,72 @@ def robust_aggregator(config: Config) -> Any:
                               **config.robust.options())
 
 
+class RoundTally:
+    """Sums of round metrics over the rounds a run goes through: ``on_round`` is a round
+    callback; as an evaluation callback it records nothing, but its ``on_resume`` marks a
+    resumed run, whose rounds before the checkpoint it has not seen (``total`` is then
+    None)."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.sums: dict[str, Any] = dict.fromkeys(names)  # None: no round reported it
+        self.resumed = False
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        del record
+
+    def on_resume(self, records: list[dict[str, Any]]) -> None:
+        del records
+        self.resumed = True
+
+    def on_round(self, number: int, metrics: dict[str, Any], data: Any) -> None:
+        del number, data
+        for name in self.sums:
+            if name in metrics:
+                self.sums[name] = (self.sums[name] or 0) + np.asarray(metrics[name]).item()
+
+    def total(self, name: str) -> Any:
+        """The sum of ``name`` over every round of the run (None: resumed, or not
+        reported)."""
+        return None if self.resumed else self.sums[name]
+
+
+_TALLIED = ("uplink_bytes", "attackers_in_cohort", "attackers_selected")
+
+
+def compression_summary(config: Config, params: Any, tally: RoundTally) -> dict[str, Any]:
+    """``summary.json``'s ``compression``: the scheme, one client's message (its codes,
+    and with its ``float32`` weight, as each round's ``uplink_bytes`` counts it per accepted
+    client), the uncompressed message (the ``float32`` update and the weight), their ratio,
+    and the uplink of every round run."""
+    from fedax.aggregators.compression import uplink_sizes
+
+    code = compressor(config)
+    sizes = uplink_sizes(code, params)
+    return {"scheme": config.compression.scheme, "compressor": code.name,
+            "code_bytes_per_client": sizes.code_bytes,
+            "bytes_per_client": sizes.client_bytes,
+            "uncompressed_bytes_per_client": sizes.uncompressed_bytes,
+            "compression_ratio": sizes.ratio,
+            # null for a resumed run (the rounds before its checkpoint are not counted)
+            "uplink_bytes_total": tally.total("uplink_bytes")}
+
+
+def feature_summaries(config: Config, params: Any, attack: AttackPlan | None,
+                      tally: RoundTally) -> dict[str, Any]:
+    """The ``attack`` and ``compression`` entries of ``summary.json`` (those the config
+    has): the attackers, and over the rounds run the attackers' accepted messages
+    (``attackers_in_cohort_total``) and those Krum selected; the compression's sizes."""
+    out: dict[str, Any] = {}
+    if attack is not None:
+        out["attack"] = {**attack.summary(),
+                         "attackers_in_cohort_total": tally.total("attackers_in_cohort")}
+        if tally.sums["attackers_selected"] is not None:
+            out["attack"]["attackers_selected_total"] = tally.total("attackers_selected")
+    if config.compression is not None:
+        out["compression"] = compression_summary(config, params, tally)
+    return out
+
+
 def _with_backdoor(evaluate, backdoor):
     """``evaluate`` plus ``backdoor_success``: the accuracy on the triggered test inputs
     labelled with the target (the backdoor's success rate)."""
@@ -729,7 +775,8 @@ def run_experiment(
     TensorBoard event files of every record into ``tensorboard/``.
 
     With ``resume``, continue from the newest valid checkpoint in ``out_dir/checkpoints``
-    (the config must be the same, ``checkpoint_every`` aside; else ``CheckpointError``, and
+    (the config must be the same, ``checkpoint_every`` and the schedule of
+    :func:`resume_schedule` aside: ``rounds`` may grow; else ``CheckpointError``, and
     nothing in ``out_dir`` has changed). A run that restores no checkpoint replaces the
     directory's earlier outputs at its first evaluation. A run that diverges still writes
     its summary (``"status": "diverged"``) and plot, then raises its ``FloatingPointError``.
@@ -750,11 +797,15 @@ def run_experiment(
 
     params = jax.jit(model.init)(jax.random.key(config.seed))
     plan = privacy_plan(config, train.num_clients, train.sizes)
+    # What a resume may change (the schedule); raises, changing nothing, if it cannot.
+    schedule = () if not resume else resume_schedule(
+        config, out, plan, lambda c: privacy_plan(c, train.num_clients, train.sizes))
     algorithm = build_algorithm(config, model.apply, sequence=data.y_test.ndim > 1,
                                 num_clients=train.num_clients,
                                 aggregator=robust_aggregator(config) if plan is None
                                 else plan.aggregator,
-                                example_privacy=None if plan is None else plan.example_privacy)
+                                example_privacy=None if plan is None else plan.example_privacy,
+                                holdout_privacy=None if plan is None else plan.holdout)
     if data.test_clients is not None:
         evaluate = make_client_evaluator(model.apply, data.x_test, data.y_test,
                                          data.test_clients, target=config.target_accuracy,
@@ -764,7 +815,8 @@ def run_experiment(
     if attack is not None:
         from fedax.attacks import attacked
 
-        algorithm = attacked(algorithm, attack.adversary, train.num_clients)
+        algorithm = attacked(algorithm, attack.adversary, train.num_clients,
+                             attackers=attack.attackers)
         if attack.backdoor is not None:
             evaluate = _with_backdoor(evaluate, make_evaluator(model.apply, *attack.backdoor))
     execution: Execution = choose_execution(
@@ -789,6 +841,9 @@ def run_experiment(
         board = TensorBoardLogger(out / "tensorboard")
         callbacks.append(board)
         round_callbacks.append(board.on_round)
+    tally = RoundTally(_TALLIED)  # the summary's totals over every round
+    callbacks.append(tally)
+    round_callbacks.append(tally.on_round)
     label = label or config.algorithm
     title = title or label or out.name
     started = time.perf_counter()
@@ -822,8 +877,8 @@ def run_experiment(
                 # The algorithm, model and data choices the runner cannot see. How often to save
                 # does not change the run, so a resumed run may save more or less often.
                 fingerprint=_fingerprint(config),
-                record_fields=None if plan is None else (
-                    lambda t: {"epsilon": _finite_or_none(plan.ledger.epsilon_after(t))}),
+                schedule=schedule,
+                record_fields=None if plan is None else (lambda t: {"epsilon": plan.epsilon(t)}),
                 max_rejected_fraction=config.max_rejected_fraction,
             )
     except FloatingPointError as err:
@@ -832,6 +887,7 @@ def run_experiment(
                             plan=plan)
         summary.update(status="diverged", diverged_at_round=getattr(err, "round", None),
                        error=str(err))
+        summary.update(feature_summaries(config, params, attack, tally))
         write_outputs(out, summary, writer.records, label, title)
         raise
     finally:
@@ -839,8 +895,7 @@ def run_experiment(
             getattr(callback, "close", lambda: None)()
     summary = summarize(config, history.records, time.perf_counter() - started, execution,
                         resumed_from=history.resumed_from, plan=plan)
-    if attack is not None:
-        summary["attack"] = attack.summary()
+    summary.update(feature_summaries(config, params, attack, tally))
     write_outputs(out, summary, history.records, label, title)
     return summary
 
@@ -864,12 +919,20 @@ def summarize(config: Config, records: list[dict[str, Any]], wall: float, execut
                                       if k.startswith("client_accuracy")},
             "rounds_to_target_worst10": None if worst_reached is None
                                         else round(worst_reached, 1)}
+    rounds_run = records[-1]["round"] if records else 0
+    status = "diverged" if any(with_status(r)["status"] == "diverged" for r in records) \
+        else "ok"
+    stop = None if plan is None else plan.budget_line(config, rounds_run)
+    if stop is not None and status == "ok":
+        status = "stopped_by_budget"
     return {
         "config": config_to_dict(config),
         "seed": config.seed,
-        "status": "diverged" if any(with_status(r)["status"] == "diverged" for r in records)
-                  else "ok",
-        "rounds_run": records[-1]["round"] if records else 0,
+        # "ok", "diverged", or "stopped_by_budget" (privacy.target_epsilon ended the run
+        # before config.rounds; stop_reason says when and why)
+        "status": status,
+        "stop_reason": stop,
+        "rounds_run": rounds_run,
         "final_test_accuracy": records[-1]["test_accuracy"] if records else None,
         "best_test_accuracy": max(accs) if accs else None,
         "target_accuracy": target,
@@ -884,7 +947,7 @@ def summarize(config: Config, records: list[dict[str, Any]], wall: float, execut
         "resumed_from_round": resumed_from,
         # ε spent by the rounds run, z, q, the accountant and sampling it assumes
         "privacy": None if plan is None else plan.summary(
-            config, records[-1]["round"] if records else 0),
+            config, rounds_run, records[-1] if records else None),
         **per_client,
     }
 

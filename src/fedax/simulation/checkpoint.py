@@ -42,7 +42,7 @@ import re
 import struct
 import tempfile
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,17 @@ _NAME = re.compile(r"ckpt_(\d+)\.msgpack")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: corrupt, truncated, or not from this run."""
+
+
+class ResumeError(CheckpointError):
+    """A run that cannot be continued as asked, though its checkpoint is this run's: a
+    schedule shorter than the rounds it has done, or a noise multiplier calibrated to the
+    rounds it started with. ``settings`` (``key=value`` strings, possibly empty) are config
+    values under which it can be continued."""
+
+    def __init__(self, message: str, settings: Sequence[str] = ()):
+        super().__init__(message)
+        self.settings = tuple(settings)
 
 
 class CheckpointWarning(UserWarning):
@@ -360,6 +371,8 @@ def load_checkpoint(
     path: str | os.PathLike[str],
     template: Any,
     fingerprint: Mapping[str, Any] | None = None,
+    *,
+    ignore: Collection[str] = (),
 ) -> Checkpoint:
     """Reads, verifies and restores one checkpoint into ``template``'s structure.
 
@@ -368,21 +381,25 @@ def load_checkpoint(
       template: a state of the same structure, e.g. a freshly ``init``-ed one (its leaves'
         placement is where the restored leaves go; see :func:`decode_state`).
       fingerprint: when given, the checkpoint's fingerprint must equal it.
+      ignore: fingerprint items left out of that comparison (a run's schedule, e.g. its
+        number of rounds, which the caller checks itself).
 
     Raises:
       CheckpointError: the file does not verify, the fingerprint differs (the message
         names the differing items), or the state does not fit the template.
     """
-    return _restore(path, read_checkpoint(path), template, fingerprint)
+    return _restore(path, read_checkpoint(path), template, fingerprint, ignore)
 
 
-def _restore(path, data, template, fingerprint) -> Checkpoint:
+def _restore(path, data, template, fingerprint, ignore=()) -> Checkpoint:
     if fingerprint is not None:
         # Compare as stored (msgpack turns tuples into lists).
         current = msgpack.unpackb(
             msgpack.packb(dict(fingerprint), use_bin_type=True, default=_default), raw=False
         )
-        diff = fingerprint_differences(data["fingerprint"], current)
+        saved = {k: v for k, v in data["fingerprint"].items() if k not in ignore}
+        diff = fingerprint_differences(saved, {k: v for k, v in current.items()
+                                               if k not in ignore})
         if diff:
             raise CheckpointError(
                 f"checkpoint {path} was written by a different run; differences: "
@@ -404,12 +421,15 @@ def latest_checkpoint(
     directory: str | os.PathLike[str],
     template: Any,
     fingerprint: Mapping[str, Any] | None = None,
+    *,
+    ignore: Collection[str] = (),
 ) -> Checkpoint | None:
     """The newest checkpoint in ``directory`` that verifies, restored into ``template``.
 
     A file that fails verification (truncated, corrupted, unreadable) is skipped with a
     :class:`CheckpointWarning` and the next older one is tried. A verified checkpoint of
-    another run (fingerprint) or of another state structure is an error, not skipped.
+    another run (fingerprint, ``ignore``'s items aside) or of another state structure is
+    an error, not skipped.
 
     Returns:
       The checkpoint, or ``None`` when ``directory`` holds no checkpoint files.
@@ -427,11 +447,23 @@ def latest_checkpoint(
             problems.append(str(err))
             warnings.warn(f"skipping a bad checkpoint: {err}", CheckpointWarning, stacklevel=2)
             continue
-        return _restore(path, data, template, fingerprint)
+        return _restore(path, data, template, fingerprint, ignore)
     if problems:
         raise CheckpointError(
             f"no checkpoint in {directory} verifies: " + "; ".join(problems)
         )
+    return None
+
+
+def newest_readable(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The verified payload (state still encoded) of the newest checkpoint in
+    ``directory`` that verifies, the one :func:`latest_checkpoint` restores; None when
+    none does. Reads only, and warns of nothing."""
+    for _, path in list_checkpoints(directory):
+        try:
+            return read_checkpoint(path)
+        except CheckpointError:
+            continue
     return None
 
 

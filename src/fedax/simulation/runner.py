@@ -9,7 +9,9 @@ The whole training set lives on the device once; a cohort travels as example ind
 With ``checkpoint_dir`` and ``checkpoint_every``, the state and the records so far are saved
 every k rounds (see ``fedax.simulation.checkpoint``), and ``resume=True`` continues from the
 newest valid checkpoint: the resumed run's records and final state are bit-identical to an
-uninterrupted run's (``elapsed_s`` aside).
+uninterrupted run's (``elapsed_s`` aside). A resumed run may have more rounds than the run it
+continues (a finished run is extended): its records are then those of an uninterrupted run
+of the new length.
 """
 
 from __future__ import annotations
@@ -271,6 +273,7 @@ def run(
     checkpoint_every: int = 0,
     resume: bool = False,
     fingerprint: Mapping[str, Any] | None = None,
+    schedule: Sequence[str] = (),
     straggler_fraction: float = 0.0,
     drop_stragglers: bool = False,
     client_state: ClientStateStore | None = None,
@@ -290,7 +293,8 @@ def run(
         (``fedax.simulation.sources``: ``PopulationSource``, ``HostCohorts``).
       evaluate: ``evaluate(params) -> (accuracy, loss)`` on the test set, or a dict of
         named values; None records no evaluation.
-      rounds: T.
+      rounds: T. A resumed run may have more rounds than the run it continues (not fewer
+        than its checkpoint has done: ``ResumeError``).
       client_fraction, local_epochs, batch_size: the paper's C, E, B for a ``ClientData``
         (``batch_size=math.inf`` is the full local data set).
       seed: the run's only source of randomness (with the source's own seed).
@@ -314,6 +318,9 @@ def run(
       fingerprint: items identifying the run that the runner cannot see, e.g. the
         experiment config the algorithm was built from; stored in every checkpoint and
         compared on resume.
+      schedule: keys of ``fingerprint`` (dotted for nested items) that a resumed run may
+        change, as ``rounds`` may: the caller's own schedule (e.g. the config's rounds),
+        which the caller checks.
       straggler_fraction: FedProx's systems heterogeneity (Li et al. 2020, §5): each round,
         ``straggler_epochs(rng, C, E, straggler_fraction)`` (drawn from the round's rng after
         the cohort is sampled) gives every client its epochs; a straggler runs U{1..E}
@@ -377,6 +384,8 @@ def run(
             raise ValueError(f"the client state store has {client_state.num_clients} rows, "
                              f"the cohort source {source.num_clients} clients.")
     execution = execution or choose_execution(params=init_params)
+    # What a resumed run may change: how many rounds it runs, and the caller's schedule.
+    schedule_items = ("rounds", *(f"config.{key}" for key in schedule))
     identity = None
     if checkpoint_every or resume:
         identity = _identity(
@@ -445,7 +454,13 @@ def run(
                                  "the store is not part of the checkpoint.")
             # The fresh state is the template: a restored state gets its structure (checked
             # leaf by leaf) and its placement, so the rounds compile and run as in a fresh run.
-            restored = ckpt.latest_checkpoint(checkpoint_dir, state, identity)
+            restored = ckpt.latest_checkpoint(checkpoint_dir, state, identity,
+                                              ignore=schedule_items)
+            if restored is not None and restored.round > rounds:
+                raise ckpt.ResumeError(
+                    f"checkpoint {restored.path} is of round {restored.round}, after this "
+                    f"run's last round {rounds}: a resumed run cannot have fewer rounds "
+                    "than it has done")
             if restored is None:
                 warnings.warn(
                     f"resume: no checkpoint in {checkpoint_dir}; starting from round 0",
@@ -456,7 +471,13 @@ def run(
                 elapsed_before = restored.elapsed_s
                 checkpoint_round = restored.round
                 rejected_since_record = int(restored.counters.get("rejected_clients", 0))
-                history = History(list(restored.history), resumed_from=restored.round)
+                records = list(restored.history)
+                # Extended past its last round, off the eval_every schedule: a longer run
+                # records no evaluation there, and its rejected clients count in the next.
+                if records and records[-1]["round"] % eval_every and \
+                        records[-1]["round"] < rounds:
+                    rejected_since_record += int(records.pop().get("rejected_clients", 0))
+                history = History(records, resumed_from=restored.round)
                 for callback in callbacks:
                     on_resume = getattr(callback, "on_resume", None)
                     if on_resume is not None:
