@@ -29,7 +29,7 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
-from fedax.experiments.errors import ConfigError
+from fedax.experiments.errors import CommandError, ConfigError
 
 # The paper's rounds to 97% for the 2NN on pathological non-IID MNIST with C = 0.1, E = 1
 # (McMahan et al. 2017, Table 1): B = ∞ (FedSGD) 1796 rounds, B = 10 (FedAvg) 664 rounds.
@@ -37,14 +37,6 @@ DEMO_RUNS = (
     ("FedSGD", "mnist_2nn_noniid_fedsgd", 1796),
     ("FedAvg", "mnist_2nn_noniid_fedavg", 664),
 )
-
-
-class CommandError(Exception):
-    """A failure the command explains in one line: ``fedax: <kind>: <message>``."""
-
-    def __init__(self, message: str, status: int = 1, kind: str = "error"):
-        super().__init__(message)
-        self.status, self.kind = status, kind
 
 
 def resolve_config(name_or_path: str) -> Path:

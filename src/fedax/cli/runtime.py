@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from fedax.experiments.errors import ConfigError
+from fedax.experiments.errors import CommandError, ConfigError
 
 
 def _one_line(command):
@@ -28,24 +28,13 @@ def _one_line(command):
         try:
             return command(args)
         except ConnectionError as err:
-            raise _command_error()(str(err)) from err
+            raise CommandError(str(err)) from err
         except (ValueError, PermissionError) as err:
             if isinstance(err, ConfigError):
                 raise
             raise ConfigError(str(err)) from err
 
     return wrapped
-
-
-def _command_error() -> type[Exception]:
-    """``fedax.cli.main.CommandError`` (status 1) of the running ``main``: under ``python -m
-    fedax.cli.main`` that is ``__main__``'s, a class apart from an imported module's."""
-    running = sys.modules.get("__main__")
-    if getattr(getattr(running, "__spec__", None), "name", None) == "fedax.cli.main":
-        return running.CommandError
-    from fedax.cli.main import CommandError
-
-    return CommandError
 
 
 def _quiet_grpc(args) -> None:

@@ -1,4 +1,6 @@
-"""A DP run's plan: its aggregator, its accountant, and exactly what its ε covers.
+"""A DP run's plan: its aggregator, its accountant, and exactly what its ε covers (and
+``compressor``, the ``compression:`` section's compressor, which the DP aggregator may
+carry).
 
 Under ``privacy:`` every client-to-server upload of a round is one of
 
@@ -161,6 +163,19 @@ def _round_up(value: float, digits: int = 4) -> str:
     return f"{math.ceil(value * scale) / scale:g}"
 
 
+def compressor(config: Config) -> Any:
+    """The ``compression:`` section's compressor (None without one); ``rotation`` is seeded
+    with the run's seed."""
+    c = config.compression
+    if c is None:
+        return None
+    from fedax.aggregators import make_compressor
+
+    return make_compressor(c.scheme, levels=c.levels, bits=c.bits, fraction=c.fraction,
+                           bucket_size=c.bucket_size, block_size=c.block_size,
+                           seed=config.seed)
+
+
 def cohort_size(config: Config, num_clients: int) -> int:
     """m, the clients of a fixed-size cohort (``fedax.data.sample_clients``)."""
     return len(fdata.sample_clients(0, num_clients, config.client_fraction))
@@ -196,7 +211,6 @@ def privacy_plan(config: Config, num_clients: int,
     if p is None:
         return None
     from fedax import aggregators
-    from fedax.experiments.run import compressor
     from fedax.privacy import ExampleLevelLedger, PrivacyLedger, noise_multiplier_for
 
     if p.level == "example":

@@ -43,7 +43,7 @@ from fedax.experiments.config import (
     resolved_server_optimizer,
     validate_config,
 )
-from fedax.experiments.privacy_plan import PrivacyPlan, privacy_plan
+from fedax.experiments.privacy_plan import PrivacyPlan, compressor, privacy_plan
 from fedax.models import get_model, softmax_cross_entropy, with_precision
 from fedax.simulation import (
     Execution,
@@ -102,19 +102,6 @@ def partition(config: Config, y: np.ndarray) -> list[np.ndarray]:
 
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
-
-
-def compressor(config: Config) -> Any:
-    """The ``compression:`` section's compressor (None without one); ``rotation`` is seeded
-    with the run's seed."""
-    c = config.compression
-    if c is None:
-        return None
-    from fedax.aggregators import make_compressor
-
-    return make_compressor(c.scheme, levels=c.levels, bits=c.bits, fraction=c.fraction,
-                           bucket_size=c.bucket_size, block_size=c.block_size,
-                           seed=config.seed)
 
 
 def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
