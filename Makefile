@@ -58,7 +58,7 @@ $(VENV)/.docs-installed: pyproject.toml $(VENV)/.installed
 
 ## docs: build the documentation site into site/ (mkdocs.yml; warnings are errors)
 docs: $(VENV)/.docs-installed
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) runs site .pytest_cache .ruff_cache
