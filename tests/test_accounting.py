@@ -7,6 +7,7 @@ import pathlib
 import warnings
 
 import dp_accounting
+import numpy as np
 import pytest
 from conftest import run_fedax
 from dp_accounting import pld, rdp
@@ -282,3 +283,15 @@ def test_command_in_process(capsys):
         assert status == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("fedax: error: "), err
+
+
+def test_round_up_never_understates_and_keeps_the_digits():
+    from fedax.privacy import round_up
+
+    rng = np.random.default_rng(0)
+    for value in np.exp(rng.uniform(-12, 12, size=500)):
+        for digits in (4, 6):
+            shown = float(round_up(float(value), digits))
+            assert shown >= value and shown - value <= value * 10.0 ** (1 - digits)
+    assert round_up(2.7656281906378397, 4) == "2.766" and round_up(3.0, 4) == "3"
+    assert round_up(0.0) == "0" and round_up(float("inf")) == "inf"

@@ -16,6 +16,7 @@ from conftest import TINY_CONFIG, _child_env, run_fedax
 
 import fedax
 from fedax.cli.main import main
+from fedax.experiments import datasets
 from fedax.experiments import run as experiment
 
 
@@ -103,7 +104,7 @@ def test_missing_data_is_a_message_not_a_traceback(tiny, tmp_path, monkeypatch, 
 
     monkeypatch.setenv("FEDAX_DATA_DIR", str(tmp_path / "empty-cache"))
     monkeypatch.setattr(mnist, "default_sources", lambda: (_failing_source(),))
-    monkeypatch.setattr(experiment, "_DATASETS", {})
+    monkeypatch.setattr(datasets, "_DATASETS", {})
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err

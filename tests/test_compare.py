@@ -11,7 +11,8 @@ from conftest import TINY_CONFIG
 from fedax.cli.main import main
 from fedax.experiments.compare import comparison_figure, load_runs
 from fedax.experiments.config import config_to_dict, validate_config
-from fedax.experiments.run import privacy_plan, read_records
+from fedax.experiments.outputs import read_records
+from fedax.experiments.privacy_plan import privacy_plan
 from fedax.simulation import rounds_to_target
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -8,7 +8,8 @@ import pytest
 from fedax import data as fdata
 from fedax.cli.main import main
 from fedax.experiments.config import ConfigError, config_to_dict, validate_config
-from fedax.experiments.run import _fingerprint, _linear_kwargs, build_data
+from fedax.experiments.datasets import _linear_kwargs, build_data
+from fedax.experiments.resume import _fingerprint
 from fedax.reproduce.framework import _same_config
 
 SYNTHETIC = {

@@ -71,7 +71,7 @@ def test_config_key():
 def test_checkpoints_made_before_the_key_existed_still_resume():
     """A float32 run's checkpoint fingerprint has no ``precision`` (so checkpoints written
     before the key existed still match); a bfloat16 run's does (it is another run)."""
-    from fedax.experiments.run import _fingerprint
+    from fedax.experiments.resume import _fingerprint
 
     base = {"seed": 0, "rounds": 1, "model": "2nn", "algorithm": "fedavg", "partition": "iid",
             "client_fraction": 0.1, "local_epochs": 1, "batch_size": 10, "client_lr": 0.1}

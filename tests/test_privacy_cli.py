@@ -15,7 +15,7 @@ from conftest import TINY_CONFIG
 import fedax.privacy
 from fedax.cli.main import main
 from fedax.privacy import accounting
-from fedax.privacy.accounting import (
+from fedax.privacy.calibration import (
     MAX_NOISE_MULTIPLIER,
     NoiseSearchWarning,
     noise_multiplier_for,
@@ -52,7 +52,7 @@ def printed_epsilon(line: str) -> float:
 
 def test_epsilon_defaults_to_a_runs_fixed_sampling_and_equals_its_ledger(capsys):
     from fedax.experiments.config import validate_config
-    from fedax.experiments.run import privacy_plan
+    from fedax.experiments.privacy_plan import privacy_plan
 
     status, out, err = run([*EPSILON, "--population", str(N)], capsys)
     assert status == 0 and err == []

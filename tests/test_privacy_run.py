@@ -15,9 +15,9 @@ from conftest import TINY_CONFIG
 from fedax import aggregators
 from fedax import data as fdata
 from fedax.experiments.config import ConfigError, validate_config
-from fedax.experiments.privacy_plan import _round_up
-from fedax.experiments.run import privacy_plan, run_experiment
-from fedax.privacy import epsilon
+from fedax.experiments.privacy_plan import privacy_plan
+from fedax.experiments.run import run_experiment
+from fedax.privacy import epsilon, round_up
 from fedax.simulation.sources import PartitionSource
 
 
@@ -121,7 +121,7 @@ def test_epsilon_in_every_record_and_the_budget_stops_the_run(tmp_path):
     assert summary["status"] == "stopped_by_budget"
     assert summary["stop_reason"] == (
         f"stopped by the privacy budget after round {allowed} of 6: round {allowed + 1} "
-        f"would spend epsilon = {_round_up(direct[allowed])} > privacy.target_epsilon = 12")
+        f"would spend epsilon = {round_up(direct[allowed], 4)} > privacy.target_epsilon = 12")
     # The same seed gives the same noise: the same numbers again.
     run_experiment(config, tmp_path / "b", progress=False)
     again = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").open()]
@@ -225,7 +225,7 @@ def test_fedax_run_prints_epsilon_and_the_budget_stop(tmp_path, capsys):
     eps = summary["privacy"]["epsilon"]
     shown = json.loads(out[:out.index("}") + 1])
     assert shown["epsilon"] == eps and shown["status"] == "stopped_by_budget"
-    assert f"privacy: epsilon = {_round_up(eps)} at delta = 0.001 after " \
+    assert f"privacy: epsilon = {round_up(eps, 4)} at delta = 0.001 after " \
            f"{summary['rounds_run']} round(s) (user level" in out
     assert summary["stop_reason"] in out.splitlines()
 

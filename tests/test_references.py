@@ -19,16 +19,38 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRIVATE_NOTES = "papers" + ".md"
 
 
+# Outside a git checkout, the folders that hold no source (builds, caches, environments).
+_NOT_SOURCE = {".git", ".venv", ".venv-bench", "site", "runs", ".jax-cache", ".pytest_cache",
+               ".ruff_cache", "__pycache__", "node_modules", "fedax.egg-info"}
+
+
+def _walked() -> set[str]:
+    return {str(p.relative_to(ROOT)) for p in ROOT.rglob("*")
+            if p.is_file() and not (set(p.relative_to(ROOT).parts[:-1]) & _NOT_SOURCE)}
+
+
 def _repository_files() -> list[pathlib.Path]:
     """Tracked files and untracked ones git does not ignore, outside shared/, that exist."""
     try:
         out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
                               "--exclude-standard"], cwd=ROOT, capture_output=True,
                              check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout: the repository's file list is unknown")
-    names = {n for n in out.decode().split("\0") if n and not n.startswith("shared/")}
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: walk the tree
+        names = _walked()
+    else:
+        names = set(out.decode().split("\0"))
+    names = {n for n in names if n and not n.startswith("shared/")}
     return [ROOT / n for n in sorted(names) if (ROOT / n).is_file()]
+
+
+def test_outside_git_the_tree_walk_finds_the_same_sources():
+    """The fallback of ``_repository_files`` (a copy without .git) reads the same source and
+    documentation files as git's list."""
+    listed = {str(p.relative_to(ROOT)) for p in _repository_files()}
+    walked = _walked()
+    for suffix in (".py", ".md", ".yml", ".yaml"):
+        assert {n for n in listed if n.endswith(suffix)} == {
+            n for n in walked if n.endswith(suffix) and not n.startswith("shared/")}, suffix
 
 
 def test_no_file_cites_the_private_reference_notes():

@@ -169,7 +169,7 @@ def test_reproduce_picks_the_best_lr_writes_the_report_and_reuses_runs(tmp_path)
     assert avg_now["speedup"] == (pytest.approx(2 / ours) if ours < 2 else None)
     report = (out / "report.md").read_text()
     assert "**In progress.**" in report and "in progress (not reached in 2 rounds)" in report
-    from fedax.experiments.run import run_progress
+    from fedax.experiments.resume import run_progress
 
     other = fw.cell_config(experiment, experiment.quick[0], 0.2)  # not this run's config
     assert run_progress(other, sgd_dir) is None

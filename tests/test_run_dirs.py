@@ -15,7 +15,7 @@ from conftest import TINY_CONFIG, run_fedax
 
 from fedax.cli.main import main
 from fedax.experiments import run as experiment
-from fedax.experiments.run import accuracy_figure, dumps, with_status, write_atomic
+from fedax.experiments.outputs import accuracy_figure, dumps, with_status, write_atomic
 from fedax.simulation import History
 
 

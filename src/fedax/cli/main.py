@@ -13,11 +13,7 @@ prints the traceback too.
 
 from __future__ import annotations
 
-import _thread
 import argparse
-import contextlib
-import errno
-import math
 import os
 import shlex
 import signal
@@ -29,6 +25,17 @@ import warnings
 from importlib import resources
 from pathlib import Path
 
+from fedax.cli.failures import Interrupts, failure_message, one_line, show_warning
+from fedax.cli.run_dirs import (
+    claim_out,
+    finish_pending_work,
+    missing_dirs,
+    os_error_message,
+    remove_if_empty,
+    resume_command,
+    run_command,
+    where_stopped,
+)
 from fedax.experiments.errors import CommandError, ConfigError
 
 # The paper's rounds to 97% for the 2NN on pathological non-IID MNIST with C = 0.1, E = 1
@@ -53,185 +60,6 @@ def resolve_config(name_or_path: str) -> Path:
         f"config {name_or_path!r} is neither a file nor a bundled config "
         f"(bundled: {', '.join(names)})"
     )
-
-
-# ------------------------------------------------------------------------------ run dirs
-
-
-def run_command(args, out: Path | None = None, flag: str | None = None,
-                settings: tuple[str, ...] = ()) -> str:
-    """The exact ``fedax run CONFIG [--set ...] [--out OUT] [--devices N] [FLAG]`` of this
-    command, ``settings`` (``key=value``) replacing its ``--set`` of those keys."""
-    keys = {item.partition("=")[0].strip() for item in settings}
-    parts = ["fedax", "run", args.config]
-    for item in [*(i for i in args.set if i.partition("=")[0].strip() not in keys), *settings]:
-        parts += ["--set", item]
-    if out is not None:
-        parts += ["--out", str(out)]
-    if args.devices is not None:
-        parts += ["--devices", str(args.devices)]
-    return shlex.join([*parts, *([flag] if flag else [])])
-
-
-def resume_command(args, out: Path, settings: tuple[str, ...] = ()) -> str:
-    """The exact ``fedax run ... --out OUT --resume`` that continues this run."""
-    return run_command(args, out, "--resume", settings)
-
-
-def _missing_dirs(path: Path) -> list[Path]:
-    """``path`` and those of its parents that do not exist yet, deepest first: what
-    creating ``path`` creates, and what a failed command removes again if still empty."""
-    missing = []
-    for p in (path, *path.parents):
-        if os.path.lexists(p) or p == Path(p.anchor):
-            break
-        missing.append(p)
-    return missing
-
-
-def remove_if_empty(directories: list[Path]) -> None:
-    """Removes each of ``directories`` (deepest first) while it is empty: a command that
-    failed before producing a result leaves no directory it created behind."""
-    for directory in directories:
-        try:
-            directory.rmdir()
-        except OSError:  # not empty (it holds results), or already gone
-            if directory.exists():
-                return
-
-
-def _runs_of(parent: Path, name: str) -> list[Path]:
-    """The run directories of config ``name`` under ``parent``, newest last."""
-    from fedax.experiments.run import is_run_dir
-
-    if not parent.is_dir():
-        return []
-    found = [p for p in parent.iterdir() if p.is_dir() and is_run_dir(p)
-             and (p.name == name or p.name.startswith(f"{name}-"))]
-    return sorted(found, key=lambda p: p.stat().st_mtime)
-
-
-def claim_out(args, name: str, config) -> tuple[Path, list[Path]]:
-    """The run's directory (``--out``, else a new ``runs/<name>-<time>``) and the
-    directories this command creates for it (see ``_missing_dirs``). Raises
-    ``CommandError`` for a directory holding a run that neither ``--resume`` nor
-    ``--overwrite`` may take, and for ``--resume`` without ``--out`` (naming the newest run
-    that ``config`` continues, if any). Every command a message suggests runs as printed."""
-    from fedax.experiments.run import RUN_OUTPUTS, is_run_dir, new_run_dir, run_progress
-    from fedax.simulation.checkpoint import list_checkpoints
-
-    if args.out is None:
-        if args.resume:
-            runs = _runs_of(Path("runs"), name)
-            ours = [run for run in runs if run_progress(config, run) is not None]
-            if ours:
-                raise CommandError(f"--resume needs --out DIR, the run to continue; the newest "
-                                   f"run of {name} that this config continues is {ours[-1]}: "
-                                   f"{resume_command(args, ours[-1])}", 2)
-            found = (f"no run of {name} in runs/" if not runs else
-                     f"no run of {name} in runs/ has a checkpoint that this config continues")
-            hint = ("" if config.checkpoint_every else
-                    " (add --set checkpoint_every=N to save a checkpoint every N rounds)")
-            raise CommandError(f"--resume needs --out DIR, the run to continue ({found}); start "
-                               f"a new run with: {run_command(args)}{hint}", 2)
-        missing = _missing_dirs(Path("runs"))
-        out = new_run_dir(Path("runs"), name)
-        return out, [out, *missing]
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise CommandError(f"--out {out} is a file; --out names a directory (created if "
-                           "missing)", 2)
-    if not is_run_dir(out):
-        return out, _missing_dirs(out)
-    held = ", ".join(n for n in RUN_OUTPUTS if (out / n).exists())
-    replace = run_command(args, out, "--overwrite")
-    if args.resume and not list_checkpoints(out / "checkpoints"):
-        raise CommandError(f"cannot resume: {out} holds a run ({held}) but no checkpoint in "
-                           f"{out / 'checkpoints'}; start it over with: {replace}, or choose "
-                           "another --out", 2)
-    if not (args.resume or args.overwrite):
-        if run_progress(config, out) is not None:
-            raise CommandError(f"{out} already holds a run ({held}); continue it with: "
-                               f"{resume_command(args, out)}, replace it with: {replace}, or "
-                               "choose another --out", 2)
-        why = ("" if list_checkpoints(out / "checkpoints")
-               else ", having no checkpoint")
-        raise CommandError(f"{out} already holds a run ({held}) that this config cannot "
-                           f"continue{why}; replace it with: {replace}, or choose another "
-                           "--out", 2)
-    return out, []
-
-
-def _last_round(metrics: Path, since: float) -> int | None:
-    """The round of the last record in ``metrics`` written at or after ``since``."""
-    from fedax.experiments.run import read_records
-
-    try:
-        if metrics.stat().st_mtime < since:
-            return None
-        records = read_records(metrics)
-    except OSError:
-        return None
-    return records[-1].get("round") if records else None
-
-
-def _checkpoint_round(err: BaseException, directory: Path) -> int | None:
-    """The newest checkpoint's round: as the runner reports it, else from the file names."""
-    if hasattr(err, "checkpoint_round"):
-        return err.checkpoint_round
-    from fedax.simulation.checkpoint import list_checkpoints
-
-    found = list_checkpoints(directory)
-    return found[0][0] if found else None
-
-
-def where_stopped(err: BaseException, out: Path, since: float,
-                  checkpoints: bool) -> tuple[str, int | None]:
-    """``(text, checkpoint round or None)`` for a run in ``out`` stopped by ``err``;
-    ``checkpoints``: whether files in ``out/checkpoints`` may belong to this run."""
-    ckpt = _checkpoint_round(err, out / "checkpoints") if checkpoints else None
-    rounds = [r for r in (getattr(err, "rounds_done", getattr(err, "round", None)),
-                          _last_round(out / "metrics.jsonl", since), ckpt) if r]
-    text = f"stopped after round {max(rounds)}" if rounds else "stopped before its first evaluation"
-    return f"{text} in {out}", ckpt
-
-
-def finish_pending_work() -> None:
-    """After Ctrl-C: wait for the round in flight (its clients may be running in worker
-    processes), then stop the ``processes`` workers, so nothing runs or prints after the
-    command's last line."""
-    jax = sys.modules.get("jax")
-    try:
-        for array in jax.live_arrays() if jax is not None else ():
-            with contextlib.suppress(Exception):
-                array.block_until_ready()
-        processes = sys.modules.get("fedax.simulation.processes")
-        if processes is not None:
-            processes.close_pools()
-    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting
-        pass
-
-
-def os_error_message(err: OSError, out: Path | None = None) -> str:
-    """One line naming the path and the fix for a file system error."""
-    path = err.filename or out
-    reason = (err.strerror or str(err)).lower()
-    in_out = out is not None and path is not None and _inside(Path(path), out)
-    if err.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        fix = "free some space" + (" or choose another --out" if in_out else "")
-    elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        fix = "choose a writable --out" if in_out else f"check the permissions of {path}"
-    elif err.errno in (errno.ENOENT, errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
-        fix = ("--out must name a directory (created if missing)" if in_out
-               else f"check that {path} exists")
-    else:
-        fix = "run with --debug for the traceback"
-    return f"{reason}: {path}; {fix}" if path else f"{reason}; {fix}"
-
-
-def _inside(path: Path, directory: Path) -> bool:
-    path, directory = Path(os.path.abspath(path)), Path(os.path.abspath(directory))
-    return path == directory or directory in path.parents
 
 
 # ------------------------------------------------------------------------------ commands
@@ -317,7 +145,8 @@ def launch_processes(args) -> int:
 
 def cmd_run(args) -> int:
     from fedax.experiments.config import load_config
-    from fedax.experiments.run import dumps, run_experiment, strict_json
+    from fedax.experiments.outputs import dumps, strict_json
+    from fedax.experiments.run import run_experiment
     from fedax.simulation.checkpoint import CheckpointError, ResumeError
 
     _check_processes(args)
@@ -355,7 +184,7 @@ def cmd_run(args) -> int:
             raise CommandError(_interrupted_run(args, config, out, err, since), 130,
                                "interrupted") from err
         if isinstance(err, FloatingPointError):
-            raise CommandError(f"{_one_line(err)} (records up to it: {out}/metrics.jsonl)"
+            raise CommandError(f"{one_line(err)} (records up to it: {out}/metrics.jsonl)"
                                ) from err
         if isinstance(err, OSError):
             raise CommandError(os_error_message(err, out)) from err
@@ -390,7 +219,7 @@ def _interrupted_run(args, config, out: Path, err: BaseException, since: float) 
 def _demo_plan(run_dir: Path, config, overwrite: bool) -> str:
     """What ``fedax demo`` does with a run's directory: ``reuse`` (finished, same config),
     ``resume`` (unfinished, with checkpoints), or ``run``; else ``CommandError``."""
-    from fedax.experiments.run import finished_summary, is_run_dir
+    from fedax.experiments.outputs import finished_summary, is_run_dir
     from fedax.simulation.checkpoint import list_checkpoints
 
     if overwrite or not is_run_dir(run_dir):
@@ -407,7 +236,7 @@ def _demo_plan(run_dir: Path, config, overwrite: bool) -> str:
 
 def cmd_demo(args) -> int:
     """FedAvg against FedSGD on pathological non-IID MNIST with the 2NN (Table 1 setting)."""
-    from fedax.experiments.run import (
+    from fedax.experiments.outputs import (
         finished_summary,
         fmt_rounds,
         plot_curves,
@@ -464,11 +293,12 @@ def cmd_demo(args) -> int:
 
 
 def _demo_run(args, config, run_dir: Path, label: str, name: str, plan: str) -> dict:
-    from fedax.experiments.run import is_run_dir, run_experiment
+    from fedax.experiments.outputs import is_run_dir
+    from fedax.experiments.run import run_experiment
     from fedax.simulation.checkpoint import CheckpointError
 
     since = time.time()
-    created = _missing_dirs(run_dir)
+    created = missing_dirs(run_dir)
     command = shlex.join(["fedax", "demo", "--out", args.out,
                           *[x for item in args.set for x in ("--set", item)],
                           *(["--devices", str(args.devices)] if args.devices else [])])
@@ -546,114 +376,6 @@ def cmd_data_fetch(args) -> int:
     from fedax.data import fetch_dataset
 
     print(f"{args.name} ready in {fetch_dataset(args.name)}")
-    return 0
-
-
-def _round_up(value: float, digits: int = 6) -> str:
-    """``value`` to ``digits`` significant digits, rounded up (a printed ε never understates
-    the privacy loss, nor a printed z the noise needed)."""
-    from decimal import ROUND_CEILING, Decimal
-
-    if value == 0 or not value < float("inf"):
-        return f"{value:g}"
-    exact = Decimal(value)
-    rounded = exact.quantize(Decimal(1).scaleb(exact.adjusted() - digits + 1),
-                             rounding=ROUND_CEILING)
-    rounded = rounded.normalize()
-    return f"{rounded:f}" if abs(exact.adjusted()) < 6 else f"{rounded:g}"
-
-
-_PRIVACY_FLAGS = {"sampling_probability": "--q", "target_epsilon": "--epsilon",
-                  "noise_multiplier": "--z", "extra_releases_per_round": "--extra-releases",
-                  "population": "--population", "rounds": "--rounds", "delta": "--delta"}
-
-
-def _privacy_error(err: ValueError) -> CommandError:
-    """The library's message, naming the command's flags instead of its arguments."""
-    name, _, rest = str(err).partition(" ")
-    text = f"{_PRIVACY_FLAGS.get(name, name)} {rest}".replace("accountant='rdp'",
-                                                               "--accountant rdp")
-    return CommandError(text, 2)
-
-
-def _privacy_setting(args) -> tuple[float, dict]:
-    """q and the accounting options of ``fedax privacy epsilon|noise``. Fixed-size sampling
-    (the default, as in ``fedax run``) draws m = floor(q*N) of the N clients each round, as a
-    run with ``client_fraction`` q does (``fedax.data.sample_clients``), so q becomes m/N."""
-    sampling = args.sampling or "fixed"
-    if sampling == "fixed" and args.population is None:
-        default = " (the default, as in fedax run)" if args.sampling is None else ""
-        raise CommandError(f"fixed-size sampling{default} needs the number of clients N: "
-                           "give --population N, or --sampling poisson", 2)
-    if sampling == "fixed" and args.accountant == "pld":
-        raise CommandError("--accountant pld has no event for fixed-size sampling without "
-                           "replacement (the default, as in fedax run); use --accountant rdp, "
-                           "or --sampling poisson", 2)
-    q = args.q
-    if sampling == "fixed" and 0 < q <= 1 and args.population >= 1:
-        n = args.population
-        q = min(max(math.floor(q * n + 1e-9), 1), n) / n  # sample_clients' m, over N
-    return q, {"accountant": args.accountant, "sampling": sampling,
-               "population": args.population, "extra_releases_per_round": args.extra_releases}
-
-
-def _sampling_line(args, q: float, options: dict) -> str:
-    """The sampling and the neighbouring relation an ε assumes, in one line."""
-    n = options["population"]
-    if options["sampling"] == "poisson":
-        of = f" of N = {n}" if n is not None else ""
-        return (f"sampling: Poisson (each client with probability q = {q:g} per round{of}), "
-                "neighbours: add-or-remove-one client")
-    m = round(q * n)
-    drawn = (f"; q*N = {args.q * n:g} is not whole: m = {m}, as a run with client_fraction "
-             f"{args.q:g} draws" if abs(args.q * n - m) > 1e-9 * n else "")
-    return (f"sampling: fixed-size (m = {m} of N = {n} without replacement{drawn}), "
-            "neighbours: replace-one client")
-
-
-def cmd_privacy_epsilon(args) -> int:
-    from fedax.privacy import describe, epsilon
-
-    q, options = _privacy_setting(args)
-    try:
-        eps = epsilon(args.z, q, args.rounds, args.delta, **options)
-        assumes = describe(args.z, q, **options)
-    except ValueError as err:
-        raise _privacy_error(err) from err
-    print(f"epsilon = {_round_up(eps)} at delta = {args.delta:g} after {args.rounds} rounds")
-    print(_sampling_line(args, q, options))
-    print(f"assumes: {assumes}")
-    return 0
-
-
-def cmd_privacy_noise(args) -> int:
-    """z for a target ε. The search's trouble (its upper bound of z hit, or the accountant's
-    floor) is a one-line warning; the status is 0 only if the printed z (rounded up) has
-    ε <= the target, else 1 with a one-line error."""
-    from fedax.privacy import describe, epsilon
-    from fedax.privacy.accounting import search_noise_multiplier
-
-    q, options = _privacy_setting(args)
-    try:
-        found = search_noise_multiplier(args.epsilon, q, args.rounds, args.delta, **options)
-        if found.warning is not None:
-            print(f"fedax: warning: {found.warning}", file=sys.stderr)
-        if not found.reached:
-            raise CommandError(f"{found.error}; raise --epsilon or --delta, or lower --rounds")
-        z = float(_round_up(found.noise_multiplier))
-        eps = epsilon(z, q, args.rounds, args.delta, **options)
-        assumes = describe(z, q, **options)
-    except ValueError as err:
-        raise _privacy_error(err) from err
-    if not eps <= args.epsilon:
-        raise CommandError(f"the noise multiplier found, z = {_round_up(z)} (rounded up), has "
-                           f"epsilon {_round_up(eps)} > {args.epsilon:g}: the accountant's "
-                           "epsilon does not fall steadily with z here; raise --epsilon or "
-                           "--delta")
-    print(f"noise multiplier z = {_round_up(z)} (epsilon = {_round_up(eps)} <= "
-          f"{args.epsilon:g} at delta = {args.delta:g} after {args.rounds} rounds)")
-    print(_sampling_line(args, q, options))
-    print(f"assumes: {assumes}")
     return 0
 
 
@@ -773,39 +495,9 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name", choices=DATASET_NAMES)
     fetch.set_defaults(func=cmd_data_fetch)
 
-    privacy = sub.add_parser("privacy", help="differential privacy accounting (dp-accounting)",
-                             parents=[common])
-    privacy_sub = privacy.add_subparsers(dest="privacy_command", required=True)
-    accounting = argparse.ArgumentParser(add_help=False)
-    accounting.add_argument("--q", type=float, required=True,
-                            help="sampling probability: the fraction of clients per round")
-    accounting.add_argument("--rounds", type=int, required=True, metavar="T",
-                            help="number of rounds")
-    accounting.add_argument("--delta", type=float, required=True,
-                            help="the delta of (epsilon, delta)-DP; well below 1/N")
-    accounting.add_argument("--accountant", choices=("rdp", "pld"), default="rdp",
-                            help="RDP (default, conservative) or PLD (tighter, slower)")
-    accounting.add_argument("--sampling", choices=("fixed", "poisson"),
-                            help="fixed (the default, as in fedax run: m = floor(q*N) of the N "
-                                 "clients each round without replacement; RDP, replace-one "
-                                 "neighbours; needs --population) or poisson (each client "
-                                 "with probability q; add-or-remove-one neighbours)")
-    accounting.add_argument("--population", type=int, metavar="N",
-                            help="number of clients: needed by fixed sampling; with poisson "
-                                 "it checks delta < 1/N")
-    accounting.add_argument("--extra-releases", type=int, default=0, metavar="K",
-                            help="more Gaussian releases per round on the same cohort, at the "
-                                 "same z (e.g. a hypergradient's noised sum)")
-    eps = privacy_sub.add_parser("epsilon", help="epsilon of T rounds of DP-FedAvg",
-                                 parents=[common, accounting])
-    eps.add_argument("--z", type=float, required=True,
-                     help="noise multiplier: noise stddev over the clip norm")
-    eps.set_defaults(func=cmd_privacy_epsilon)
-    noise = privacy_sub.add_parser("noise", help="the noise multiplier z for a target epsilon",
-                                   parents=[common, accounting])
-    noise.add_argument("--epsilon", type=float, required=True,
-                       help="the target epsilon after T rounds")
-    noise.set_defaults(func=cmd_privacy_noise)
+    from fedax.cli.privacy import add_command as add_privacy_command
+
+    add_privacy_command(sub, common)  # fedax privacy epsilon|noise
     from fedax.cli.runtime import add_commands as add_runtime_commands
 
     add_runtime_commands(sub, common)  # fedax server init|start|status, fedax client
@@ -856,92 +548,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
-# ------------------------------------------------------------------------------ failures
-
-
-def _one_line(err: BaseException | str, limit: int = 300) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    text = lines[0] if lines else ""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _is_instance(err: BaseException, module: str, name: str) -> bool:
-    cls = getattr(sys.modules.get(module), name, None)
-    return isinstance(cls, type) and isinstance(err, cls)
-
-
-def failure_message(err: BaseException) -> tuple[str, int]:
-    """What the command prints for ``err`` (one line; a missing data set's message also
-    lists the sources tried), and its exit status."""
-    if isinstance(err, CommandError):
-        return f"fedax: {err.kind}: {err}", err.status
-    if isinstance(err, ConfigError):
-        return f"fedax: error: {_one_line(err, 1000)}", 2
-    if isinstance(err, KeyboardInterrupt):
-        return "fedax: interrupted: stopped before any run started", 130
-    if _is_instance(err, "fedax.data._cache", "DataUnavailableError"):
-        first, *rest = str(err).splitlines() or [""]
-        return "\n".join([f"fedax: error: {first}", *rest]), 1
-    if isinstance(err, FloatingPointError):
-        return f"fedax: error: {_one_line(err)}", 1
-    if isinstance(err, OSError):
-        return f"fedax: error: {os_error_message(err)}", 1
-    text = _one_line(err)
-    return (f"fedax: error: {type(err).__name__}{': ' + text if text else ''}; run with "
-            "--debug for the traceback"), 1
-
-
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    print(f"fedax: warning: {_one_line(message, 1000)}", file=sys.stderr)
-
-
-# Code that runs inside a JAX host callback: the ``processes`` strategy's client map.
-_CALLBACK_FILES = (os.path.join("jax", "_src", "callback.py"),
-                   os.path.join("fedax", "simulation", "processes.py"))
-
-
-def _in_host_callback(frame) -> bool:
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_CALLBACK_FILES):
-            return True
-        frame = frame.f_back
-    return False
-
-
-class _Interrupts:
-    """The command's SIGINT handler: KeyboardInterrupt, but not inside a JAX host callback,
-    which XLA may run on the main thread and would fail with an error of its own (and a
-    logged traceback). There the interrupt is delivered again shortly, until the main
-    thread is back in the run's code; a second Ctrl-C meanwhile interrupts at once."""
-
-    def __init__(self):
-        self.retry: threading.Timer | None = None
-        self.presses = 0
-
-    def __call__(self, signum, frame) -> None:
-        if self.retry is not None and not self.retry.is_alive():
-            self.retry = None  # our own re-delivery
-        else:
-            self.presses += 1
-        if self.presses < 2 and _in_host_callback(frame):
-            if self.retry is None:
-                self.retry = threading.Timer(0.05, _thread.interrupt_main)
-                self.retry.daemon = True
-                self.retry.start()
-            return
-        self.presses = 0
-        raise KeyboardInterrupt
-
-    def cancel(self) -> None:
-        if self.retry is not None:
-            self.retry.cancel()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("FEDAX_DEBUG", "") not in ("", "0")
     split_host_into_devices(getattr(args, "devices", None))
-    interrupts = _Interrupts()
+    interrupts = Interrupts()
     # Only where Ctrl-C raises KeyboardInterrupt now (not if ignored, nor off the main thread).
     handle = (threading.current_thread() is threading.main_thread()
               and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
@@ -949,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, interrupts)
     with warnings.catch_warnings():
         if not debug:
-            warnings.showwarning = _show_warning
+            warnings.showwarning = show_warning
         try:
             return args.func(args)
         except (Exception, KeyboardInterrupt) as err:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fedax.experiments.run import accuracy_figure, read_records, save_figure, write_atomic
+from fedax.experiments.outputs import accuracy_figure, read_records, save_figure, write_atomic
 from fedax.simulation import History, rounds_to_target
 
 
@@ -133,10 +133,9 @@ def privacy_cells(summary: dict[str, Any] | None) -> tuple[str, str]:
     delta = "—" if delta is None else _number(delta)
     if eps is None or not math.isfinite(eps):
         return "∞", delta
-    if eps == 0:
-        return "0", delta
-    scale = 10 ** (3 - math.floor(math.log10(abs(eps))))
-    return f"{math.ceil(eps * scale) / scale:g}", delta
+    from fedax.privacy import round_up
+
+    return round_up(eps, 4), delta
 
 
 def comparison_table(runs: Sequence[RunCurve], target: float | None,

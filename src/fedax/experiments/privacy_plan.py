@@ -155,12 +155,11 @@ def diagnostics(record: dict[str, Any] | None) -> list[str]:
                   and not k.startswith(_EVALUATION_PREFIXES))
 
 
-def _round_up(value: float, digits: int = 4) -> str:
-    """``value`` to ``digits`` significant digits, rounded up (never understates ε)."""
-    if value == 0 or not math.isfinite(value):
-        return f"{value:g}"
-    scale = 10 ** (digits - 1 - math.floor(math.log10(abs(value))))
-    return f"{math.ceil(value * scale) / scale:g}"
+def _round_up(value: float) -> str:
+    """ε to 4 significant digits, rounded up (``fedax.privacy.round_up``)."""
+    from fedax.privacy import round_up
+
+    return round_up(value, 4)
 
 
 def compressor(config: Config) -> Any:

@@ -12,17 +12,20 @@ accountant for ε. Nothing here imports JAX or the rest of fedax.
 
 from fedax.privacy.accounting import (
     ACCOUNTANTS,
-    MAX_NOISE_MULTIPLIER,
     SAMPLINGS,
     ExampleLevelLedger,
-    NoiseSearch,
-    NoiseSearchWarning,
     PrivacyLedger,
     adaptive_clip_noise_multipliers,
     describe,
     dp_event,
     effective_noise_multiplier,
     epsilon,
+    round_up,
+)
+from fedax.privacy.calibration import (
+    MAX_NOISE_MULTIPLIER,
+    NoiseSearch,
+    NoiseSearchWarning,
     noise_multiplier_for,
     search_noise_multiplier,
 )
@@ -41,5 +44,6 @@ __all__ = [
     "effective_noise_multiplier",
     "epsilon",
     "noise_multiplier_for",
+    "round_up",
     "search_noise_multiplier",
 ]

@@ -55,7 +55,8 @@ def _load(settings: Mapping[str, Any], seed: int):
     """The partitioned MNIST, the 2NN, its evaluator and the FedAvg algorithm at a server
     learning rate, through the experiment config (so data and model are ``fedax run``'s)."""
     from fedax.experiments.config import validate_config
-    from fedax.experiments.run import build_algorithm, build_data
+    from fedax.experiments.datasets import build_data
+    from fedax.experiments.run import build_algorithm
     from fedax.models import get_model
     from fedax.simulation import PartitionSource, make_evaluator
 

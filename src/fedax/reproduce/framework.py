@@ -290,7 +290,7 @@ def progress_summary(experiment: Experiment, cell: Cell, lr: float, out: Path,
     """A grid point's summary without running anything: its finished run's, or where its
     unfinished run stands (``"in_progress": True``, from the newest checkpoint of this
     config); None when ``out`` holds neither."""
-    from fedax.experiments.run import run_progress
+    from fedax.experiments.resume import run_progress
     from fedax.simulation import rounds_to_target
 
     config, wanted, done = _finished(experiment, cell, lr, out, rounds)
