@@ -149,7 +149,8 @@ def test_server_killed_and_resumed_gives_the_same_model(pki, parts10, tmp_path):
                "--task", str(tmp_path / "task.json"), "--cert", pki["cert"],
                "--key", pki["key"], "--registry", pki["registry"], "--port", str(port),
                "--rounds", "3", "--cohort-size", "4", "--deadline-s", "30",
-               "--poll-interval-s", "0.05", "--checkpoint-dir", str(ckpt),
+               "--poll-interval-s", "0.3", "--poll-hold-s", "0",  # rounds of >= 0.3 s
+               "--checkpoint-dir", str(ckpt),
                "--linger-s", "1"]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=_env())
     threads = []
@@ -218,7 +219,8 @@ def test_load_100_concurrent_clients(pki):
                                 deadline_s=deadline, poll_interval_s=0.2, max_workers=16)
     template = server.report_template
     report = jax.tree.map(lambda a: np.full(a.shape, 0.01, a.dtype), template)
-    report = report._replace(weight=np.float32(1.0), num_examples=np.float32(1.0))
+    report = report._replace(weight=np.float32(1.0), num_examples=np.float32(1.0),
+                             stats={**report.stats, "local_steps": np.float32(1.0)})
     tensors = wire.encode_tree(report)
     stop, counts = threading.Event(), {}
     threads = [threading.Thread(target=_stub, args=(k, pki, port, tensors, stop, counts),

@@ -193,8 +193,10 @@ def _server_config(args):
         rounds=args.rounds, cohort_size=args.cohort_size, over_selection=args.over_selection,
         min_reports=args.min_reports, min_clients=args.min_clients, deadline_s=args.deadline_s,
         max_attempts=args.max_attempts, poll_interval_s=args.poll_interval_s,
-        liveness_s=args.liveness_s, max_message_bytes=int(args.max_message_mb * (1 << 20)),
-        chunk_bytes=int(args.chunk_kb * 1024), checkpoint_dir=args.checkpoint_dir)
+        poll_hold_s=args.poll_hold_s, liveness_s=args.liveness_s,
+        max_message_bytes=int(args.max_message_mb * (1 << 20)),
+        chunk_bytes=int(args.chunk_kb * 1024), checkpoint_dir=args.checkpoint_dir,
+        max_examples=args.max_examples, keep_checkpoints=args.keep_checkpoints)
 
 
 @_one_line
@@ -317,10 +319,21 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
                        help="alive clients needed to open a round (default the selection)")
     start.add_argument("--deadline-s", type=float, default=60.0)
     start.add_argument("--max-attempts", type=int, default=10)
-    start.add_argument("--poll-interval-s", type=float, default=0.5)
+    start.add_argument("--poll-interval-s", type=float, default=0.5,
+                       help="how often a client whose poll is not held polls again")
+    start.add_argument("--poll-hold-s", type=float, default=5.0,
+                       help="hold an idle client's poll open this long, waiting for its "
+                            "task (long poll; 0: answer at once)")
     start.add_argument("--liveness-s", type=float, default=10.0)
     start.add_argument("--max-message-mb", type=float, default=256.0)
-    start.add_argument("--chunk-kb", type=float, default=1024.0)
+    start.add_argument("--chunk-kb", type=float, default=1024.0,
+                       help="largest piece of a streamed message, 1 to 65536 (a client may "
+                            "ask for smaller ones)")
+    start.add_argument("--max-examples", type=int, default=1_000_000,
+                       help="the most examples (n_k) a client's report may claim; a larger "
+                            "claim is refused")
+    start.add_argument("--keep-checkpoints", type=int, default=3,
+                       help="checkpoints kept (the newest and the ones before it)")
     start.add_argument("--checkpoint-dir", help="checkpoint after every round, rounds.jsonl")
     start.add_argument("--resume", action="store_true",
                        help="continue from the checkpoint in --checkpoint-dir")

@@ -1,11 +1,12 @@
 """A fedax client: its own data, its own per-client state, the algorithm's client piece.
 
-The client pulls (Flower's SuperNodes do the same; docs/references.md, deployment runtime): it calls
-``Join`` once (the server answers with the task), then ``Poll``s; when it is selected the poll
-streams the task (payload, round id, model version, nonce), the client runs ``client_step``
-(jit-compiled: the algorithm's ``client_update`` on its own batches and state, then the aggregator's
-client stage) and streams its report back with ``Submit``. It never sends its data or its per-client
-state.
+The client pulls (Flower's SuperNodes do the same; docs/references.md, deployment
+runtime): it calls ``Join`` once (the server answers with the task and the chunk size),
+then ``Poll``s (the server holds an idle poll open until there is a task for it); when it
+is selected the poll streams the task (payload, round id, model version, nonce), the client
+runs ``client_step`` (jit-compiled: the algorithm's ``client_update`` on its own batches
+and state; the aggregator's client stage, e.g. the clip, runs on the server) and streams
+its report back with ``Submit``. It never sends its data or its per-client state.
 
 Round t's batches are ``make_cohort`` of the client's own examples with
 ``default_rng([seed, t, client_id])`` (``local_batches``): a pure function of what the
@@ -34,8 +35,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -94,8 +97,12 @@ class Connection:
     """RPCs to a fedax server over TLS as one client (``metadata`` on every call)."""
 
     def __init__(self, address: str, tls: ClientTLS, client_id: int, token: str,
-                 chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, timeout_s: float = 30.0):
-        options = wire.grpc_options(chunk_bytes)
+                 chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, timeout_s: float = 30.0,
+                 max_chunk_bytes: int = 4 << 20):
+        # The receive limit is the largest piece this client takes; it says so at Join and
+        # the server cuts its messages to the size it answers (at most this).
+        self.max_chunk_bytes = int(max_chunk_bytes)
+        options = wire.grpc_options(max(self.max_chunk_bytes, chunk_bytes))
         if tls.server_name:
             options.append(("grpc.ssl_target_name_override", tls.server_name))
         self.channel = grpc.secure_channel(address, tls.credentials(), options=options)
@@ -111,8 +118,14 @@ class Connection:
         self._calls = calls
 
     def join(self) -> Any:
-        return self._calls["Join"](wire.JoinRequest(client_id=self.client_id),
-                                   metadata=self._meta, timeout=self.timeout_s)
+        """The server's ``JoinReply`` (the task, the chunk size both sides use, which this
+        connection adopts)."""
+        meta = (*self._meta, (wire.MAX_CHUNK_KEY, str(self.max_chunk_bytes)))
+        reply = self._calls["Join"](wire.JoinRequest(client_id=self.client_id),
+                                    metadata=meta, timeout=self.timeout_s)
+        if reply.chunk_bytes > 0:
+            self.chunk_bytes = min(int(reply.chunk_bytes), self.max_chunk_bytes)
+        return reply
 
     def poll(self, max_bytes: int = 256 << 20) -> Any:
         """The server's envelope: ``task``, ``wait`` or ``done``."""
@@ -120,12 +133,14 @@ class Connection:
                                      metadata=self._meta, timeout=self.timeout_s)
         return wire.join_chunks(stream, max_bytes)
 
-    def submit(self, envelope: Any = None, chunks: Any = None) -> Any:
-        """Stream ``envelope`` (or ready ``chunks``) to the server; its ``SubmitReply``."""
+    def submit(self, envelope: Any, chunks: Any = None) -> Any:
+        """Stream ``envelope`` (or other ready ``chunks``, under ``envelope``'s header) to
+        the server; its ``SubmitReply``. The call's metadata names the report's round,
+        attempt, model version and nonce (``wire.report_metadata``)."""
         if chunks is None:
             chunks = wire.chunks(envelope, self.chunk_bytes)
-        return self._calls["Submit"](iter(chunks), metadata=self._meta,
-                                     timeout=self.timeout_s)
+        meta = (*self._meta, *wire.report_metadata(envelope))
+        return self._calls["Submit"](iter(chunks), metadata=meta, timeout=self.timeout_s)
 
     def status(self) -> dict[str, Any]:
         import json
@@ -169,6 +184,40 @@ def local_batches(x: np.ndarray, y: np.ndarray, local_epochs: int, batch_size: f
     idx, mask = cohort.idx[0], cohort.mask[0]
     return (np.asarray(x)[idx].astype(np.float32), np.asarray(y)[idx].astype(np.int32), mask,
             np.float32(cohort.num_examples[0]))
+
+
+def train_key(secret: bytes, t: int) -> np.ndarray:
+    """Raw threefry key data for round t from a client's secret: the first 8 bytes of
+    SHA-256(secret ‖ t as 8 bytes)."""
+    digest = hashlib.sha256(secret + int(t).to_bytes(8, "little")).digest()
+    return np.frombuffer(digest[:8], np.uint32).copy()
+
+
+def load_or_make_secret(path: Path) -> bytes:
+    """The 32-byte secret in ``path`` (64 hex digits), made with ``os.urandom`` and written
+    atomically with mode 0600 if the file does not exist yet."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".client_seed.")  # mode 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(os.urandom(32).hex())
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)  # fails if another process made it first: keep theirs
+        except FileExistsError:
+            pass
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    text = path.read_text().strip()
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = b""
+    if len(secret) != 32:
+        raise ValueError(f"{path} does not hold a 256-bit secret (64 hex digits); delete it "
+                         "to draw a new one")
+    return secret
 
 
 _BUILD_LOCK = threading.Lock()
@@ -252,7 +301,7 @@ class Client:
         self.stop = stop or threading.Event()
         self.rounds: list[tuple[int, int, bool, str]] = []  # (round, attempt, accepted, why)
         self._conn: Connection | None = None
-        self._seed: int | None = None  # the secret training seed (keyed client updates)
+        self._seed: bytes | None = None  # the secret training seed (keyed client updates)
 
     # ---------------------------------------------------------------- state files
 
@@ -297,24 +346,16 @@ class Client:
 
     def _train_key(self, t: int):
         """The client's own training key for round t (keyed client updates, e.g.
-        example-level DP-SGD's noise): ``fold_in(key(seed), t)`` with a secret seed drawn
-        from the OS once and kept in ``state_dir/client_seed`` (without a ``state_dir``, in
-        this object's memory only). It never leaves the client."""
-        import jax
-
+        example-level DP-SGD's noise): ``train_key(secret, t)`` with a 256-bit secret drawn
+        from the OS once and kept in ``state_dir/client_seed`` (hex, mode 0600, written
+        atomically; without a ``state_dir``, in this object's memory only). It never leaves
+        the client."""
         if self._seed is None:
-            fresh = int.from_bytes(os.urandom(4), "little")
             if self.config.state_dir is None:
-                self._seed = fresh
+                self._seed = os.urandom(32)
             else:
-                d = Path(self.config.state_dir)
-                seed_path = d / "client_seed"
-                if not seed_path.exists():
-                    d.mkdir(parents=True, exist_ok=True)
-                    seed_path.write_text(str(fresh))
-                self._seed = int(seed_path.read_text())
-        key = jax.random.fold_in(jax.random.key(self._seed), t)
-        return np.asarray(jax.random.key_data(key))
+                self._seed = load_or_make_secret(Path(self.config.state_dir) / "client_seed")
+        return train_key(self._seed, t)
 
     # ----------------------------------------------------------------------- loop
 
@@ -400,7 +441,6 @@ class Client:
             if reply is None:
                 return self.rounds
             b = _built(reply.task_json)
-            conn.chunk_bytes = min(conn.chunk_bytes, int(reply.chunk_bytes) or conn.chunk_bytes)
             self._warm_up(b)
             log.info("client %d joined %s", cfg.client_id, cfg.address)
             while not self.stop.is_set():
@@ -416,15 +456,14 @@ class Client:
             conn.close()
         return self.rounds
 
-    def _inputs(self, b, t: int, sent: Any, agg_key: Any):
+    def _inputs(self, b, t: int, sent: Any):
         from fedax.client import Batches
 
         task = b["task"]
         x, y, mask, n = local_batches(self.x, self.y, task.local_epochs, task.batch,
                                       task.seed, t, self.config.client_id)
         train_key = self._train_key(t) if b["pieces"].keyed else None
-        return (sent["payload"], self._load_state(b), Batches(x, y, mask), n,
-                sent["aggregator"], agg_key, train_key)
+        return (sent["payload"], self._load_state(b), Batches(x, y, mask), n, train_key)
 
     def _warm_up(self, b) -> None:
         """Compile the client step for this client's batch shapes before polling, so the
@@ -437,11 +476,8 @@ class Client:
 
         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), b["sent"])
         sent = store.typed(zeros, b["sent_typed"])
-        agg_key = None
-        if b["pieces"].aggregator.client is not None:
-            agg_key = np.zeros(b["key"].shape, b["key"].dtype)
         with _BUILD_LOCK:
-            jax.block_until_ready(b["step"](*self._inputs(b, 0, sent, agg_key)))
+            jax.block_until_ready(b["step"](*self._inputs(b, 0, sent)))
 
     def _work(self, conn: Connection, b, env) -> None:
         import jax
@@ -450,14 +486,9 @@ class Client:
 
         task = b["task"]
         cid, t = self.config.client_id, int(env.round)
-        tensors = list(env.tensors)
-        agg_key = None
-        if b["pieces"].aggregator.client is not None:
-            *tensors, key_tensor = tensors
-            (agg_key,) = wire.decode_arrays([key_tensor], wire.expected_layout(
-                b["key"], "aggregator_key"), "task")
-        sent = store.typed(wire.decode_tree(tensors, b["sent"], "task"), b["sent_typed"])
-        report, new_state = b["step"](*self._inputs(b, t, sent, agg_key))
+        sent = store.typed(wire.decode_tree(list(env.tensors), b["sent"], "task"),
+                           b["sent_typed"])
+        report, new_state = b["step"](*self._inputs(b, t, sent))
         report = jax.device_get(report)
         finite = wire.all_finite(jax.tree.leaves(report)) is None
         if new_state is not None:

@@ -9,17 +9,22 @@ deployment runtime):
    not stall the round) and opens the round: each selected client gets, on its next
    ``Poll``, the payload, the round id ``(t, a)``, the model version (a hash of the
    payload) and a single-use nonce.
-2. **Reporting.** Each ``Submit`` is checked before it can touch an aggregate: the
-   authenticated sender is the selected client this report names, round, attempt, model
-   version and nonce match the open round (so a replay or a stale report is refused), the
-   client has not reported already, the stream is complete and within
-   ``max_message_bytes``, and the arrays have exactly the expected paths, dtypes and
-   shapes and are finite. A refused report is logged with its reason, the client is
-   excluded from the round, and its values are never stacked or averaged.
+2. **Reporting.** Each ``Submit`` is checked before it can touch an aggregate. Before its
+   body is read (``fedax.runtime.gate``, the call's metadata): the caller is a registered
+   client with its token, selected for the open round, whose round, attempt, model
+   version and nonce match (a replay or a stale report is refused) and who has not
+   reported already. While it is read: at most ``max_message_bytes`` in at most
+   ``wire.max_chunks`` chunks, no empty chunk but the last, within ``report_read_s``.
+   After: the arrays have exactly the expected paths, dtypes and shapes and are finite,
+   and the numbers are within the bounds the server re-checks (``fedax.runtime.checks``).
+   A refused report is counted with its reason code, the client is excluded from the
+   round, and its values are never stacked or averaged.
 3. **Closing.** The round closes when ``cohort_size`` reports are accepted, or at the
    deadline. With at least ``min_reports`` accepted, ``server_step`` (the algorithm's
    aggregator and server update, ``fedax.runtime.task``) makes the new state over the
-   accepted reports in client-id order, a checkpoint is written and the round is logged
+   accepted reports in client-id order (the aggregator's client stage, e.g. the clip,
+   runs here on each report); a new state that is not finite is discarded and the round
+   retried; otherwise a checkpoint is written and the round is logged
    (selected, reported, rejected, dropped: no report by the deadline, unneeded: the
    over-selected clients still busy when the round filled, bytes in and out on the wire,
    round time, the algorithm's metrics); with fewer, the
@@ -28,8 +33,14 @@ deployment runtime):
 A client's new per-client state is its own business: the server tells each client, on its
 next poll, the last ``(round, attempt)`` whose aggregate included its report
 (``included_round``/``included_attempt``), and the client keeps the state of exactly that
-report (``fedax.runtime.client``). With ``checkpoint_dir`` and ``resume=True`` the server
-continues from its last checkpoint; clients keep polling through the outage.
+report (``fedax.runtime.client``); it is told only once the checkpoint that includes the
+report is on disk. With ``checkpoint_dir`` and ``resume=True`` the server continues from its
+last checkpoint (the last ``keep_checkpoints`` are kept; a damaged one falls back to the one
+before); clients keep polling through the outage.
+
+Idle clients long-poll: a ``Poll`` with nothing for the client waits up to
+``poll_hold_s`` for its task (while fewer than half the worker threads are holding polls),
+so a round reaches its clients as soon as it opens.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import secrets
 import threading
 import time
@@ -53,13 +65,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedax.runtime import store, wire
-from fedax.runtime.security import CLIENT_ID_KEY, TOKEN_KEY, Registry, ServerTLS
+from fedax.runtime.checks import ReportChecks
+from fedax.runtime.gate import Gate, RateLimitedLog, Rejections, read_deadline
+from fedax.runtime.security import Registry, ServerTLS
 from fedax.runtime.task import (
     Report,
     Task,
     aggregator_client_keys,
     build,
-    payload_template,
+    key_from_secret,
     report_template,
     round_key,
     server_state,
@@ -86,13 +100,24 @@ class ServerConfig:
         selection size).
       deadline_s: seconds a round stays open.
       max_attempts: retries of one round before the run stops with an error.
-      poll_interval_s: how long an idle client waits between polls (sent to clients).
+      poll_interval_s: how long an idle client waits between polls (sent to clients)
+        when its poll is not held.
+      poll_hold_s: how long the server holds an idle client's poll open, waiting for its
+        task (long poll; at most half of ``liveness_s``).
       liveness_s: a client counts as alive if it polled within this many seconds.
       max_message_bytes: a larger report is refused (``oversized``).
-      chunk_bytes: the size of the pieces of a streamed message (also bounds every gRPC
-        message).
+      chunk_bytes: the largest piece of a streamed message (also bounds every gRPC
+        message); a client may ask for smaller pieces at Join.
       checkpoint_dir: where the checkpoint (after every round) and ``rounds.jsonl`` go.
+      keep_checkpoints: how many checkpoints are kept (the newest and the ones before).
       max_workers: gRPC handler threads.
+      max_concurrent_rpcs: calls beyond this many are refused (``RESOURCE_EXHAUSTED``)
+        before they take a thread.
+      per_client_calls: open calls one client may have at once.
+      max_concurrent_reports: reports read at the same time (bounds the memory reports
+        take: about this many times ``max_message_bytes``); others wait up to 10 s.
+      report_read_s: a report stream still being read after this long is cancelled.
+      max_examples: the most examples (n_k, and the most weight) a report may claim.
     """
 
     rounds: int
@@ -103,11 +128,18 @@ class ServerConfig:
     deadline_s: float = 60.0
     max_attempts: int = 10
     poll_interval_s: float = 0.5
+    poll_hold_s: float = 5.0
     liveness_s: float = 10.0
     max_message_bytes: int = 256 << 20
     chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
     checkpoint_dir: str | None = None
-    max_workers: int = 32
+    keep_checkpoints: int = 3
+    max_workers: int = 64
+    max_concurrent_rpcs: int = 4096
+    per_client_calls: int = 4
+    max_concurrent_reports: int = 16
+    report_read_s: float = 120.0
+    max_examples: int = 1_000_000
 
     def __post_init__(self):
         checks = [("rounds", self.rounds >= 1), ("cohort_size", self.cohort_size >= 1),
@@ -115,7 +147,14 @@ class ServerConfig:
                   ("deadline_s", self.deadline_s > 0),
                   ("min_reports", self.min_reports is None
                    or 1 <= self.min_reports <= self.cohort_size),
-                  ("chunk_bytes", self.chunk_bytes >= 1024)]
+                  ("chunk_bytes", 1024 <= self.chunk_bytes <= 64 << 20),
+                  ("poll_hold_s", self.poll_hold_s >= 0),
+                  ("keep_checkpoints", self.keep_checkpoints >= 1),
+                  ("max_workers", self.max_workers >= 2),
+                  ("per_client_calls", self.per_client_calls >= 1),
+                  ("max_concurrent_reports", self.max_concurrent_reports >= 1),
+                  ("report_read_s", self.report_read_s > 0),
+                  ("max_examples", self.max_examples >= 1)]
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"server setting {name}={getattr(self, name)!r} is out of "
@@ -134,7 +173,9 @@ class _Round:
     attempt: int
     selected: list[int]
     nonces: dict[int, str]
-    envelopes: dict[int, bytes]  # serialized task envelope per selected client
+    shared: bytes  # the round's tensors, serialized once
+    payload: Any  # what was sent, as NumPy (the bounds checks compare against it)
+    client_keys: np.ndarray  # [C] raw keys of the aggregator's client stage (secret)
     model_version: str
     deadline: float
     started: float
@@ -147,17 +188,18 @@ class RoundFailed(RuntimeError):
     """A round got fewer than ``min_reports`` accepted reports ``max_attempts`` times."""
 
 
-def _auth(context, registry: Registry) -> int:
-    meta = dict(context.invocation_metadata())
-    cid, reason = registry.check(meta.get(CLIENT_ID_KEY), meta.get(TOKEN_KEY))
-    if cid is None:
-        log.warning("refused a call: %s (peer %s)", reason, context.peer())
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"refused: {reason}")
-    return cid
+def _finite(tree: Any) -> bool:
+    return all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(tree)
+               if jnp.issubdtype(jnp.asarray(a).dtype, jnp.inexact))
 
 
 class Server:
     """A fedax server for ``task`` (see the module docstring).
+
+    ``key``: the server's secret key. Default: drawn from the OS (``os.urandom``) at the
+    first start and kept in the checkpoint; never derived from the task, which every
+    client receives. A test passes ``jax.random.key(task.seed)`` to get the simulator's
+    keys.
 
     Example::
 
@@ -171,7 +213,8 @@ class Server:
 
     def __init__(self, task: Task, config: ServerConfig, tls: ServerTLS, registry: Registry,
                  address: str = "127.0.0.1:0", resume: bool = False,
-                 evaluate: Callable[[Any], dict[str, float]] | None = None):
+                 evaluate: Callable[[Any], dict[str, float]] | None = None,
+                 key: jax.Array | None = None):
         self.task, self.config, self.tls, self.registry = task, config, tls, registry
         self.address = address
         self.evaluate = evaluate
@@ -179,13 +222,18 @@ class Server:
         self.pieces = built.pieces
         self.state = server_state(self.pieces, built.params)
         self._state_template = jax.eval_shape(lambda: self.state)
-        self._sent_template = store.raw_template(payload_template(self.pieces, built.params))
         report = report_template(self.pieces, built.params, task.input_shape)
         self.report_template = report  # what every report must look like
         self._report_layout = wire.expected_layout(report)
         self._report_treedef = jax.tree.structure(report)
-        self._step = jax.jit(lambda s, r, k: server_step(self.pieces, s, r, k))
+        self._checks = ReportChecks(task.algorithm, task.client_lr, task.local_epochs,
+                                    task.batch, config.max_examples)
+        self._step = jax.jit(lambda s, r, k, m, key: server_step(self.pieces, s, r, k, m, key))
+        self._set_key(key)
         self._lock = threading.Condition()
+        self._news = threading.Condition()  # a round opened or closed, or the run ended
+        self._held = 0  # polls held open (long poll)
+        self._readers = threading.BoundedSemaphore(config.max_concurrent_reports)
         self._round: _Round | None = None
         self._last_closed: _Round | None = None  # its late reports are not violations
         self._done = False
@@ -193,34 +241,45 @@ class Server:
         self._stop = threading.Event()
         self.rounds_done = 0
         self.last_seen: dict[int, float] = {}
+        self.chunk_bytes: dict[int, int] = {}  # negotiated at Join
         self.included: dict[int, tuple[int, int]] = {}
         self.history: list[dict[str, Any]] = []  # closed rounds (kept in the checkpoint)
         self.records: list[dict[str, Any]] = []  # every attempt, closed or retried
-        self.rejections: list[dict[str, Any]] = []
+        self.rejections = Rejections()
+        self._refusals = RateLimitedLog()
         self._bytes = {"in": 0, "out": 0}
         self._grpc: grpc.Server | None = None
+        self._gate: Gate | None = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
         if resume:
             self._restore()
 
+    def _set_key(self, key: jax.Array | None, secret: bytes | None = None) -> None:
+        if key is None:
+            secret = secret or os.urandom(32)
+            key = key_from_secret(secret)
+        elif secret is None:
+            secret = np.asarray(jax.random.key_data(key)).tobytes()
+        self._key, self._secret = key, secret
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> int:
         """Serve (TLS only) and start the rounds; returns the bound port."""
-        handlers = {}
-        for name, (req, resp, req_stream, resp_stream) in wire.METHODS.items():
-            kind = {(False, False): grpc.unary_unary_rpc_method_handler,
-                    (False, True): grpc.unary_stream_rpc_method_handler,
-                    (True, False): grpc.stream_unary_rpc_method_handler}[
-                        (req_stream, resp_stream)]
-            handlers[name] = kind(getattr(self, f"_rpc_{name.lower()}"),
-                                  request_deserializer=req.FromString,
-                                  response_serializer=resp.SerializeToString)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.config.max_workers),
-                             options=wire.grpc_options(self.config.chunk_bytes))
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(wire.SERVICE, handlers),))
+        cfg = self.config
+        self._gate = Gate(self.registry, {"Join": (self._rpc_join, True),
+                                          "Poll": (self._rpc_poll, True),
+                                          "Submit": (self._rpc_submit, True),
+                                          "Status": (self._rpc_status, False)},
+                          per_client=cfg.per_client_calls, refusals=self._refusals)
+        options = wire.grpc_options(cfg.chunk_bytes) + [
+            ("grpc.max_connection_idle_ms", 300_000),
+            ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.max_concurrent_streams", 64)]
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers),
+                             handlers=(self._gate,), options=options,
+                             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
         port = server.add_secure_port(self.address, self.tls.credentials())
         if port == 0:
             raise OSError(f"cannot listen on {self.address}; choose a free host:port")
@@ -230,7 +289,7 @@ class Server:
                                         daemon=True)
         self._thread.start()
         log.info("serving on port %d (TLS), %d rounds from round %d", port,
-                 self.config.rounds, self.rounds_done)
+                 cfg.rounds, self.rounds_done)
         return port
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -246,6 +305,7 @@ class Server:
         self._stop.set()
         with self._lock:
             self._lock.notify_all()
+        self._announce()
         if self._grpc is not None:
             self._grpc.stop(grace).wait()
         if self._thread is not None:
@@ -255,35 +315,58 @@ class Server:
     def params(self) -> Any:
         return self.pieces.server_params(self.state.server)
 
+    def _announce(self) -> None:
+        with self._news:
+            self._news.notify_all()
+
     # ---------------------------------------------------------------- checkpoints
 
-    def _checkpoint_path(self) -> Path | None:
-        d = self.config.checkpoint_dir
-        return None if d is None else Path(d) / CHECKPOINT
+    def _checkpoint_paths(self) -> list[Path]:
+        """The newest checkpoint first, then the older ones kept."""
+        d = Path(self.config.checkpoint_dir)
+        return [d / CHECKPOINT] + [d / f"{CHECKPOINT}.{i}"
+                                   for i in range(1, self.config.keep_checkpoints)]
 
-    def _save(self) -> None:
-        path = self._checkpoint_path()
-        if path is None:
+    def _save(self, included: dict[int, tuple[int, int]]) -> None:
+        if self.config.checkpoint_dir is None:
             return
-        store.save(path, {
-            "version": 1, "task_sha256": self.task.sha256(), "round": self.rounds_done,
-            "state": store.encode(self.state),
-            "included": {str(k): list(v) for k, v in self.included.items()},
+        paths = self._checkpoint_paths()
+        for newer, older in zip(paths[-2::-1], paths[:0:-1], strict=True):
+            if newer.exists():  # keep the last few: newest -> .1 -> .2 ...
+                os.replace(newer, older)
+        # store.save writes through a 0600 temporary file: the secret stays the owner's.
+        store.save(paths[0], {
+            "version": 2, "task_sha256": self.task.sha256(), "round": self.rounds_done,
+            "state": store.encode(self.state), "secret": self._secret,
+            "key": np.asarray(jax.random.key_data(self._key)).tobytes(),
+            "included": {str(k): list(v) for k, v in included.items()},
             "history": self.history})
 
     def _restore(self) -> None:
-        path = self._checkpoint_path()
-        if path is None:
+        if self.config.checkpoint_dir is None:
             raise ValueError("resume needs a checkpoint_dir")
-        if not path.exists():
-            log.warning("no checkpoint in %s; starting from round 0", path.parent)
+        data = None
+        for path in self._checkpoint_paths():
+            if not path.exists():
+                continue
+            try:
+                data = store.load(path)
+                break
+            except ValueError as err:
+                log.warning("%s; trying the checkpoint before it", err)
+        if data is None:
+            log.warning("no checkpoint in %s; starting from round 0",
+                        self.config.checkpoint_dir)
             return
-        data = store.load(path)
         if data.get("task_sha256") != self.task.sha256():
             raise ValueError(f"the checkpoint in {path.parent} is from another task; resume "
                              "with the same task settings or use a new checkpoint dir")
         self.state = store.decode(data["state"], self._state_template, "checkpoint")
         self.state = jax.tree.map(jnp.asarray, self.state)
+        if "secret" in data:
+            words = np.frombuffer(bytes(data["key"]), np.uint32).copy()
+            self._set_key(jax.random.wrap_key_data(words, impl=jax.random.key_impl(self._key)),
+                          bytes(data["secret"]))
         self.rounds_done = int(data["round"])
         self.included = {int(k): (int(v[0]), int(v[1])) for k, v in data["included"].items()}
         self.history = list(data["history"])
@@ -296,6 +379,10 @@ class Server:
         return sorted(c for c, seen in self.last_seen.items()
                       if now - seen <= self.config.liveness_s)
 
+    def _selection_rng(self, t: int, attempt: int) -> np.random.Generator:
+        words = np.frombuffer(hashlib.sha256(self._secret + b"selection").digest(), np.uint32)
+        return np.random.default_rng([*map(int, words), t, attempt])
+
     def _open(self, t: int, attempt: int) -> _Round | None:
         cfg = self.config
         need = cfg.min_clients if cfg.min_clients is not None else cfg.selection_size
@@ -307,34 +394,23 @@ class Server:
                 self._lock.wait(cfg.poll_interval_s)
             if self._stop.is_set():
                 return None
-        rng = np.random.default_rng([self.task.seed, t, attempt])
         count = min(cfg.selection_size, len(alive))
-        selected = sorted(int(c) for c in rng.choice(alive, size=count, replace=False))
-        key = round_key(self.task.seed, t)
-        sent = {"payload": self.pieces.payload(self.state.server), "aggregator": ()}
-        agg_keys = None
-        if self.pieces.aggregator.client is not None:
-            sent["aggregator"] = self.state.aggregator
-            agg_keys = np.asarray(aggregator_client_keys(key, count))
-        tensors = wire.encode_tree(store.raw(sent))
-        version = hashlib.sha256(b"".join(x.data for x in tensors)).hexdigest()[:16]
-        nonces = {c: secrets.token_hex(16) for c in selected}
-        envelopes = {}
-        deadline_s = cfg.deadline_s
-        for i, c in enumerate(selected):
-            env = wire.Envelope(kind="task", client_id=c, round=t, attempt=attempt,
-                                model_version=version, nonce=nonces[c],
-                                deadline_s=deadline_s, rounds_done=self.rounds_done,
-                                tensors=tensors)
-            if agg_keys is not None:
-                env.tensors.extend(wire.encode_arrays([("aggregator_key", agg_keys[i])]))
-            envelopes[c] = env.SerializeToString()
+        selected = sorted(int(c) for c in self._selection_rng(t, attempt).choice(
+            alive, size=count, replace=False))
+        payload = self.pieces.payload(self.state.server)
+        tensors = wire.encode_tree(store.raw({"payload": payload}))
+        shared = wire.Envelope(tensors=tensors).SerializeToString()
+        version = hashlib.sha256(shared).hexdigest()[:16]
+        keys = np.asarray(aggregator_client_keys(round_key(self._key, t), count))
         now = time.monotonic()
         with self._lock:
             self._bytes = {"in": 0, "out": 0}
-            self._round = _Round(t, attempt, selected, nonces, envelopes, version,
-                                 now + deadline_s, now)
+            self._round = _Round(t, attempt, selected,
+                                 {c: secrets.token_hex(16) for c in selected}, shared,
+                                 jax.device_get(payload), keys, version,
+                                 now + cfg.deadline_s, now)
             self._lock.notify_all()
+        self._announce()
         log.info("round %d attempt %d: selected %d of %d alive clients", t, attempt, count,
                  len(alive))
         return self._round
@@ -353,6 +429,7 @@ class Server:
             accepted = dict(r.accepted)
             rejected = dict(r.rejected)
             traffic = dict(self._bytes)
+        self._announce()
         missing = len(r.selected) - len(accepted) - len(rejected)
         full = len(accepted) >= self.config.cohort_size  # over-selected, not needed
         record = {"round": r.t, "attempt": r.attempt, "selected": len(r.selected),
@@ -361,157 +438,246 @@ class Server:
                   "bytes_in": traffic["in"], "bytes_out": traffic["out"]}
         return {"record": record, "accepted": accepted}
 
-    def _aggregate(self, t: int, accepted: dict[int, Report]) -> dict[str, float]:
+    def _aggregate(self, r: _Round, accepted: dict[int, Report]) -> tuple[Any, dict]:
+        """The new state from the accepted reports (not yet installed) and the metrics."""
         ids = sorted(accepted)
         rows = [accepted[c] for c in ids]
-        pad = self.config.cohort_size - len(rows)
+        keys = [r.client_keys[r.selected.index(c)] for c in ids]
+        pad = max(self.config.cohort_size - len(rows), 0)
         zeros = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), self.report_template)
-        rows += [zeros] * max(pad, 0)
+        rows += [zeros] * pad
+        keys += [r.client_keys[0]] * pad
+        real = np.arange(len(rows)) < len(ids)
         stacked = jax.tree.map(lambda *xs: np.stack(xs), *rows)
-        self.state, metrics = self._step(self.state, stacked, round_key(self.task.seed, t))
-        return {k: float(v) for k, v in metrics.items()}
+        state, metrics = self._step(self.state, stacked, np.stack(keys), real,
+                                    round_key(self._key, r.t))
+        return state, {k: float(v) for k, v in metrics.items()}
 
     def _run_rounds(self) -> None:
         try:
             while self.rounds_done < self.config.rounds and not self._stop.is_set():
-                t = self.rounds_done
-                for attempt in range(self.config.max_attempts):
-                    r = self._open(t, attempt)
-                    if r is None:
-                        return
-                    closed = self._close(r)
-                    record, accepted = closed["record"], closed["accepted"]
-                    need = self.config.min_reports or self.config.cohort_size
-                    if len(accepted) >= need:
-                        metrics = self._aggregate(t, accepted)
-                        if self.evaluate is not None:
-                            metrics.update(self.evaluate(self.params))
-                        with self._lock:
-                            for c in accepted:
-                                self.included[c] = (t, attempt)
-                            self.rounds_done = t + 1
-                        record.update(status="closed", round_s=round(
-                            time.monotonic() - r.started, 4), **metrics)
-                        self.history.append(record)
-                        self._save()
-                        self._log(record)
-                        break
-                    record.update(status="retry", round_s=round(time.monotonic() - r.started,
-                                                                4))
-                    self._log(record)
-                else:
-                    raise RoundFailed(
-                        f"round {t} got fewer than {need} accepted reports in "
-                        f"{self.config.max_attempts} attempts; start more clients or lower "
-                        "min_reports")
+                if not self._one_round(self.rounds_done):
+                    return
             with self._lock:
                 self._done = self.rounds_done >= self.config.rounds
                 self._round = None
                 self._lock.notify_all()
+            self._announce()
         except BaseException as err:  # surfaced by wait()
             self._error = err
             log.error("rounds stopped: %s", err)
+            self._announce()
+
+    def _one_round(self, t: int) -> bool:
+        need = self.config.min_reports or self.config.cohort_size
+        for attempt in range(self.config.max_attempts):
+            r = self._open(t, attempt)
+            if r is None:
+                return False
+            closed = self._close(r)
+            record, accepted = closed["record"], closed["accepted"]
+            status = "retry"
+            if len(accepted) >= need:
+                state, metrics = self._aggregate(r, accepted)
+                if _finite(state):
+                    self._install(r, state, accepted, record, metrics)
+                    return True
+                status = "non-finite"  # the old state stays; the round is tried again
+                log.warning("round %d attempt %d: the new state is not finite; discarded",
+                            t, attempt)
+            record.update(status=status, round_s=round(time.monotonic() - r.started, 4))
+            self._log(record)
+        raise RoundFailed(
+            f"round {t} got fewer than {need} accepted reports (or no finite new state) in "
+            f"{self.config.max_attempts} attempts; start more clients or lower min_reports")
+
+    def _install(self, r: _Round, state: Any, accepted: dict[int, Report],
+                 record: dict[str, Any], metrics: dict[str, float]) -> None:
+        """Make ``state`` the server's, checkpoint it, and only then tell the clients
+        their reports were included (a crash before the checkpoint is durable leaves no
+        client ahead of the server)."""
+        self.state = state
+        if self.evaluate is not None:
+            metrics.update(self.evaluate(self.params))
+        record.update(status="closed", round_s=round(time.monotonic() - r.started, 4),
+                      **metrics)
+        included = dict(self.included)
+        for c in accepted:
+            included[c] = (r.t, r.attempt)
+        self.rounds_done = r.t + 1
+        self.history.append(record)
+        self._save(included)
+        with self._lock:
+            self.included = included
+        self._log(record)
 
     def _log(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         log.info("round %s", json.dumps(record))
         if self.config.checkpoint_dir is not None:
             path = Path(self.config.checkpoint_dir) / ROUND_LOG
+            path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
     def _reject(self, r: _Round | None, cid: int, kind: str, reason: str) -> Any:
-        entry = {"round": None if r is None else r.t,
-                 "attempt": None if r is None else r.attempt,
-                 "client": cid, "kind": kind, "reason": reason}
-        log.warning("rejected a report from client %d: %s: %s", cid, kind, reason)
+        self._refusals.warning(f"report-{kind}", "rejected a report from client %d: %s: %s",
+                               cid, kind, reason)
         with self._lock:
-            self.rejections.append(entry)
+            self.rejections.add(None if r is None else r.t,
+                                None if r is None else r.attempt, cid, kind)
             if r is not None and not r.closed and cid in r.nonces and cid not in r.accepted:
-                r.rejected.setdefault(cid, f"{kind}: {reason}")
+                r.rejected.setdefault(cid, kind)
                 self._lock.notify_all()
         return wire.SubmitReply(accepted=False, reason=f"{kind}: {reason}")
 
     # ------------------------------------------------------------------------ RPCs
+    # Behaviours called by the Gate after it authenticated the call (``cid``); none of
+    # Join, Poll, Status reads its request: what they need is in the metadata.
 
-    def _rpc_join(self, request, context):
-        cid = _auth(context, self.registry)
-        if request.client_id != cid:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                          f"authenticated as client {cid}, not {request.client_id}")
+    def _rpc_join(self, request_iterator, context, cid):
+        meta = dict(context.invocation_metadata())
+        try:
+            wanted = int(meta.get(wire.MAX_CHUNK_KEY, wire.DEFAULT_CHUNK_BYTES))
+        except ValueError:
+            wanted = wire.DEFAULT_CHUNK_BYTES
+        chunk = min(max(wanted, 1024), self.config.chunk_bytes)
+        with self._lock:
+            self.chunk_bytes[cid] = chunk
         # Alive only once it polls (after compiling its client step), not at join.
         log.info("client %d joined (peer %s)", cid, context.peer())
-        return wire.JoinReply(task_json=self.task.to_json(), chunk_bytes=self.config.chunk_bytes)
+        return wire.JoinReply(task_json=self.task.to_json(), chunk_bytes=chunk)
 
-    def _rpc_poll(self, request, context):
-        cid = _auth(context, self.registry)
+    def _task_for(self, cid: int) -> bytes | None:
+        """Client ``cid``'s task in the open round, if it has one (under the lock)."""
+        r = self._round
+        if (r is None or r.closed or cid not in r.nonces or cid in r.accepted
+                or cid in r.rejected):
+            return None
+        included = self.included.get(cid, (-1, -1))
+        header = wire.Envelope(kind="task", client_id=cid, round=r.t, attempt=r.attempt,
+                               model_version=r.model_version, nonce=r.nonces[cid],
+                               deadline_s=max(r.deadline - time.monotonic(), 0.0),
+                               rounds_done=self.rounds_done, included_round=included[0],
+                               included_attempt=included[1])
+        return wire.task_bytes(header, r.shared)
+
+    def _idle(self, cid: int, held: bool) -> bytes:
+        included = self.included.get(cid, (-1, -1))
+        return wire.Envelope(kind="done" if self._done else "wait", client_id=cid,
+                             rounds_done=self.rounds_done,
+                             retry_after_s=0.0 if held else self.config.poll_interval_s,
+                             included_round=included[0],
+                             included_attempt=included[1]).SerializeToString()
+
+    def _rpc_poll(self, request_iterator, context, cid):
+        cfg = self.config
+        remaining = context.time_remaining()  # the caller's own deadline, if it set one
+        hold = min(cfg.poll_hold_s, cfg.liveness_s / 2,
+                   math.inf if remaining is None else remaining * 0.8 - 0.2)
         with self._lock:
             self.last_seen[cid] = time.monotonic()
             self._lock.notify_all()
-            r = self._round
-            data = None
-            if (r is not None and not r.closed and cid in r.envelopes
-                    and cid not in r.accepted and cid not in r.rejected):
-                data = r.envelopes[cid]
-            included = self.included.get(cid, (-1, -1))
+            data = self._task_for(cid)
+            idle = data is None and not self._done and self._error is None
+            held = idle and hold > 0 and self._held < cfg.max_workers // 2
+            if held:
+                self._held += 1
+        if held:  # long poll: wait for news (a round opening, the end), not for time
+            end = time.monotonic() + hold
+            try:
+                while not self._stop.is_set() and context.is_active():
+                    with self._lock:
+                        data = self._task_for(cid)
+                        if data is not None or self._done or self._error is not None:
+                            break
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    with self._news:
+                        self._news.wait(min(left, 1.0))
+            finally:
+                with self._lock:
+                    self._held -= 1
+                    self.last_seen[cid] = time.monotonic()
+        with self._lock:
             if data is None:
-                kind = "done" if self._done else "wait"
-                env = wire.Envelope(kind=kind, client_id=cid, rounds_done=self.rounds_done,
-                                    retry_after_s=self.config.poll_interval_s,
-                                    included_round=included[0],
-                                    included_attempt=included[1])
-                data = env.SerializeToString()
-            else:
-                env = wire.Envelope()
-                env.ParseFromString(data)
-                env.included_round, env.included_attempt = included
-                env.deadline_s = max(r.deadline - time.monotonic(), 0.0)
-                data = env.SerializeToString()
-        size = self.config.chunk_bytes
+                data = self._idle(cid, held)
+            size = self.chunk_bytes.get(cid, min(wire.DEFAULT_CHUNK_BYTES, cfg.chunk_bytes))
         for start in range(0, max(len(data), 1), size):
             piece = data[start:start + size]
             with self._lock:
                 self._bytes["out"] += len(piece)
             yield wire.Chunk(data=piece, last=start + size >= len(data))
 
-    def _rpc_submit(self, request_iterator, context):
-        cid = _auth(context, self.registry)
+    def _header(self, context) -> tuple[int, int, str, str] | None:
+        meta = dict(context.invocation_metadata())
+        try:
+            t, attempt, version, nonce = (meta.get(k) for k in wire.REPORT_KEYS)
+            return int(t), int(attempt), str(version), str(nonce)
+        except (TypeError, ValueError):
+            return None
+
+    def _rpc_submit(self, request_iterator, context, cid):
         with self._lock:
             self.last_seen[cid] = time.monotonic()
             r = self._round
+        header = self._header(context)
+        if header is None:
+            return self._reject(None, cid, "malformed", "the call has no report header "
+                                "(round, attempt, model version and nonce metadata)")
+        refusal = self._check_header(r, cid, *header)
+        if refusal is not None:  # refused before a byte of the body is read
+            return refusal
+        if not self._readers.acquire(timeout=10.0):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many reports being "
+                          "read; retry")
         counter = [0]
+        chunk = self.chunk_bytes.get(cid, self.config.chunk_bytes)
+        timer = read_deadline(context, self.config.report_read_s)
         try:
-            env = wire.join_chunks(request_iterator, self.config.max_message_bytes, counter)
+            env = wire.join_chunks(request_iterator, self.config.max_message_bytes, counter,
+                                   wire.max_chunks(self.config.max_message_bytes, chunk))
         except wire.WireError as err:
-            self._count_in(counter[0])
             return self._reject(r, cid, err.kind, str(err))
-        self._count_in(counter[0])
-        if env.client_id != cid:
-            return self._reject(r, cid, "sender", f"report names client {env.client_id}, "
-                                                  f"sent by client {cid}")
+        finally:
+            timer.cancel()
+            self._readers.release()
+            self._count_in(counter[0])
+        return self._check_report(r, cid, header, env)
+
+    def _check_header(self, r: _Round | None, cid: int, t: int, attempt: int,
+                      version: str, nonce: str) -> Any:
         last = self._last_closed
-        if (last is not None and (env.round, env.attempt) == (last.t, last.attempt)
-                and last.nonces.get(cid) == env.nonce and cid not in last.accepted
+        if (last is not None and (t, attempt) == (last.t, last.attempt)
+                and last.nonces.get(cid) == nonce and cid not in last.accepted
                 and cid not in last.rejected):
             return wire.SubmitReply(accepted=False, reason="late: the round has closed")
         if r is None or r.closed:
-            return self._reject(None, cid, "wrong-round", f"report for round {env.round}."
-                                f"{env.attempt}, no round is open")
-        if (env.round, env.attempt) != (r.t, r.attempt):
-            return self._reject(r, cid, "wrong-round", f"report for round {env.round}."
-                                f"{env.attempt}, the open round is {r.t}.{r.attempt}")
+            return self._reject(None, cid, "wrong-round", f"report for round {t}.{attempt}, "
+                                "no round is open")
+        if (t, attempt) != (r.t, r.attempt):
+            return self._reject(r, cid, "wrong-round", f"report for round {t}.{attempt}, "
+                                f"the open round is {r.t}.{r.attempt}")
         if cid not in r.nonces:
             return self._reject(None, cid, "not-selected",
                                 f"client {cid} is not selected for round {r.t}.{r.attempt}")
-        if env.model_version != r.model_version:
-            return self._reject(r, cid, "model-version", f"report on model "
-                                f"{env.model_version!r}, current {r.model_version!r}")
+        if version != r.model_version:
+            return self._reject(r, cid, "model-version", "the report is on another model "
+                                "version than the open round's")
         if cid in r.accepted or cid in r.rejected:
             return self._reject(None, cid, "replay", f"client {cid} already reported in "
                                 f"round {r.t}.{r.attempt}")
-        if env.nonce != r.nonces[cid]:
+        if not secrets.compare_digest(nonce, r.nonces[cid]):
             return self._reject(r, cid, "replay", "the report's nonce is not the one issued "
                                 "for this round")
+        return None
+
+    def _check_report(self, r: _Round, cid: int, header: tuple, env: Any) -> Any:
+        if env.client_id != cid or (env.round, env.attempt, env.model_version,
+                                    env.nonce) != header:
+            return self._reject(r, cid, "sender", "the report's envelope does not match "
+                                "its call (client, round, attempt, version, nonce)")
         try:
             arrays = wire.decode_arrays(list(env.tensors), self._report_layout, "report")
         except wire.WireError as err:
@@ -522,6 +688,9 @@ class Server:
                                 f"array {self._report_layout[int(bad)][0]!r} holds NaN or "
                                 "infinity")
         report = self._report_treedef.unflatten(arrays)
+        problem = self._checks.check(report, r.payload)
+        if problem is not None:
+            return self._reject(r, cid, *problem)
         with self._lock:
             if r.closed:
                 return wire.SubmitReply(accepted=False, reason="late: the round has closed")
@@ -537,7 +706,9 @@ class Server:
         with self._lock:
             self._bytes["in"] += n
 
-    def _rpc_status(self, request, context):
+    def _rpc_status(self, request_iterator, context, cid):
+        """Counts only (no token needed): no metrics, no client ids."""
+        del cid
         with self._lock:
             r = self._round
             status = {
@@ -550,6 +721,6 @@ class Server:
                     "round": r.t, "attempt": r.attempt, "selected": len(r.selected),
                     "reported": len(r.accepted), "rejected": len(r.rejected),
                     "seconds_left": round(max(r.deadline - time.monotonic(), 0.0), 3)},
-                "last": self.history[-1] if self.history else None,
+                "rejected_reports": dict(self.rejections.counts),
             }
         return wire.StatusReply(json=json.dumps(status))

@@ -10,17 +10,25 @@ The round is ``fedax.algorithms.cohort_round`` cut where the network cuts it
 (DESIGN.md, "A round in pieces"):
 
 * ``client_step`` (on each client, jit-compiled): the algorithm's ``client_update`` on the
-  client's own batches and per-client state, then the aggregator's client stage
-  (``Aggregator.client``: clipping, encoding) with the aggregator state the server sent;
+  client's own batches and per-client state;
 * ``server_step`` (on the server, jit-compiled, over the accepted clients' reports
-  stacked on a leading clients axis): ``reweigh``, the aggregator's ``reduce`` and
-  ``server`` stages, the federated sum of ``sums`` and the algorithm's ``server_update``.
+  stacked on a leading clients axis): the aggregator's client stage (clipping) on every
+  report, ``reweigh``, the aggregator's ``reduce`` and ``server`` stages, the federated
+  sum of ``sums`` and the algorithm's ``server_update``.
 
-Between the two the server checks every report (``fedax.runtime.server``); a rejected
-report never reaches ``server_step``, as ``accept_finite`` keeps a non-finite client out of
-the simulated round. Keys: round t's key is ``fold_in(key(seed), t)`` and the aggregator's
-client-stage key of the i-th selected client is ``split(split(key, 3)[0], C)[i]``, both as
-the simulator derives them (``fedax.simulation.run``, ``fedax.aggregators.aggregate``).
+The aggregator's client stage runs on the server, not on the client: in the trusted-server
+model (DP-FedAvg, McMahan et al. 2018) the server may see each update, and a stage run on a
+machine the server does not control guarantees nothing (a client could skip its clip).
+Between the two halves the server checks every report (``fedax.runtime.server``,
+``fedax.runtime.checks``); a rejected report never reaches ``server_step``, as
+``accept_finite`` keeps a non-finite client out of the simulated round.
+
+Keys: round t's key is ``fold_in(K, t)`` with K the server's *secret* key (drawn from the
+OS, kept in its checkpoint, never sent: a client that knew it could recompute the DP noise
+and subtract it), and the aggregator's client-stage key of the i-th selected client is
+``split(split(k_t, 3)[0], C)[i]``, as the simulator derives them from ``key(seed)``
+(``fedax.simulation.run``, ``fedax.aggregators.aggregate``); a test that gives the server
+``K = key(seed)`` gets the simulator's noise.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedax import federated as fed
 from fedax.algorithms import ALGORITHMS, RoundPieces, RoundState, init_state
@@ -100,6 +109,7 @@ class Task:
                 raise ValueError(f"give {name!r} as the task's own field, not in options")
         if self.aggregator is not None:
             make_aggregator(self.aggregator)  # a bad spec fails here, naming the fix
+        _refuse_unprotected_sums(self.algorithm, self.aggregator, self.client_lr)
         if self.example_privacy is not None:
             privacy = self.example_privacy
             if (not isinstance(privacy, list | tuple) or len(privacy) != 2
@@ -133,6 +143,29 @@ class Task:
 
 
 # ----------------------------------------------------------------------- aggregators
+
+_DP_KINDS = ("dp_gaussian", "dp_adaptive_gaussian", "adaclip")
+
+
+def _refuse_unprotected_sums(algorithm: str, aggregator: dict[str, Any] | None,
+                             client_lr: float) -> None:
+    """An algorithm's exact sums (``AlgorithmSpec.exact_sums``) bypass the aggregator: the
+    server must be able to check them (``checks.sums_check``), and no aggregator may
+    promise what they break (DP: they are released unnoised; a robust rule: SCAFFOLD's c is
+    their exact mean, so one client moves it by its own Δy/(N·K·η_l), unbounded)."""
+    from fedax.runtime.checks import sums_check
+
+    spec = ALGORITHMS[algorithm]
+    if not spec.exact_sums:
+        return
+    sums_check(algorithm, client_lr)
+    kind = None if aggregator is None else aggregator.get("kind")
+    if kind in _DP_KINDS or (kind == "robust" and algorithm.startswith("scaffold")):
+        what = "privacy" if kind in _DP_KINDS else "robustness"
+        raise ValueError(f"algorithm {algorithm!r} uploads {spec.exact_sums[0]} as an exact "
+                         f"sum beside the update, which the {kind!r} aggregator does not "
+                         f"protect (its {what} would not hold); use fedavg, fedprox or a "
+                         "FedOpt algorithm with it")
 
 
 def _aggregator_kinds() -> dict[str, Any]:
@@ -238,14 +271,13 @@ def build(task: Task) -> Built:
 
 
 class Report(NamedTuple):
-    """What a client sends (its ``ClientMessage`` after the aggregator's client stage, and
-    its n_k for the weighted round statistics)."""
+    """What a client sends: its ``ClientMessage`` (the update before any aggregator stage)
+    and its n_k for the weighted round statistics."""
 
     update: Any
     weight: jax.Array
     stats: dict[str, jax.Array]
     sums: Any
-    aggregator_stats: Any
     num_examples: jax.Array
 
 
@@ -254,8 +286,16 @@ def server_state(pieces: RoundPieces, params: Any) -> RoundState:
     return init_state(pieces, params)
 
 
-def round_key(seed: int, t: int) -> jax.Array:
-    return jax.random.fold_in(jax.random.key(seed), t)
+def round_key(key: jax.Array, t: int) -> jax.Array:
+    """Round t's key ``fold_in(key, t)`` from the server's secret ``key``."""
+    return jax.random.fold_in(key, t)
+
+
+def key_from_secret(secret: bytes) -> jax.Array:
+    """The server's JAX key from its 32-byte secret: the first 8 bytes of SHA-256(secret)
+    as threefry key data (JAX's key holds 64 bits; the secret itself keeps 256)."""
+    words = np.frombuffer(hashlib.sha256(secret).digest()[:8], np.uint32)
+    return jax.random.wrap_key_data(words.copy(), impl="threefry2x32")
 
 
 def aggregator_client_keys(key: jax.Array, num_selected: int) -> jax.Array:
@@ -265,40 +305,46 @@ def aggregator_client_keys(key: jax.Array, num_selected: int) -> jax.Array:
 
 
 def client_step(pieces: RoundPieces, payload: Any, client_state: Any, batches: Batches,
-                num_examples: jax.Array, aggregator_state: Any, aggregator_key: Any,
-                train_key: Any) -> tuple[Report, Any]:
+                num_examples: jax.Array, train_key: Any) -> tuple[Report, Any]:
     """One client's half of a round; returns its ``Report`` and its new per-client state.
 
-    ``aggregator_key`` and ``train_key`` are raw key data (or None when unused)."""
+    ``train_key`` is raw key data (or None when the client update takes no key)."""
     extra = (jax.random.wrap_key_data(train_key),) if pieces.keyed else ()
     message = pieces.client_update(payload, client_state, batches, num_examples, *extra)
-    update, weight, stats = message.update, message.weight, ()
-    if pieces.aggregator.client is not None:
-        key = None if aggregator_key is None else jax.random.wrap_key_data(aggregator_key)
-        update, weight, stats = pieces.aggregator.client(update, weight, aggregator_state,
-                                                         key)
-    report = Report(update, jnp.asarray(weight, jnp.float32), dict(message.stats),
-                    message.sums, stats, jnp.asarray(num_examples, jnp.float32))
+    report = Report(message.update, jnp.asarray(message.weight, jnp.float32),
+                    dict(message.stats), message.sums, jnp.asarray(num_examples, jnp.float32))
     return report, message.client_state
 
 
 def server_step(pieces: RoundPieces, state: RoundState, reports: Report,
+                client_keys: jax.Array, real: jax.Array,
                 key: jax.Array) -> tuple[RoundState, dict[str, jax.Array]]:
     """The server's half of round ``state.round`` on the accepted reports (client-placed:
-    leading axis C; padding rows have weight 0 and zeros). Mirrors ``cohort_round`` after
-    its ``map_clients``, with the finite check done per report before this call."""
+    leading axis C; padding rows, ``real`` False, have weight 0 and zeros). Mirrors
+    ``cohort_round`` after its ``map_clients``, with the finite and bounds checks done per
+    report before this call: the aggregator's client stage on each report with its key
+    (``client_keys[i]``, raw key data), its stats summed over the real rows, then
+    ``reweigh``, ``reduce``, ``server``, the sums and the server update."""
     _, reduce_key, server_key = jax.random.split(key, 3)
     aggregator = pieces.aggregator
-    weights = reports.weight
+    updates, weights = reports.update, reports.weight
+    stats = None
+    if aggregator.client is not None:
+        def one(update, weight, raw_key):
+            return aggregator.client(update, weight, state.aggregator,
+                                     jax.random.wrap_key_data(raw_key))
+
+        updates, weights, stats = jax.vmap(one)(updates, weights, client_keys)
+        keep = real.astype(jnp.int32)
+        stats = jax.tree.map(
+            lambda s: (s * keep.reshape(-1, *([1] * (s.ndim - 1))).astype(s.dtype)), stats)
     if pieces.reweigh is not None:
         weights = pieces.reweigh(weights, reports.stats)
-    value, metrics = aggregator.reduce(reports.update, weights, state.aggregator, reduce_key)
+    value, metrics = aggregator.reduce(updates, weights, state.aggregator, reduce_key)
     metrics = dict(metrics)
     aggregator_state = state.aggregator
     if aggregator.server is not None:
-        stats = None
-        if aggregator.client is not None:
-            stats = reports.aggregator_stats
+        if stats is not None:
             stats = fed.sum(stats) if jax.tree.leaves(stats) else stats
         value, aggregator_state, more = aggregator.server(value, stats, state.aggregator,
                                                           server_key)
@@ -308,16 +354,15 @@ def server_step(pieces: RoundPieces, state: RoundState, reports: Report,
         sums = fed.sum(sums)
     server, server_metrics = pieces.server_update(state.server, value, sums)
     counted = reports.num_examples
-    stats = {name: fed.weighted_mean(s, counted) for name, s in reports.stats.items()}
-    metrics = {**stats, **metrics, **server_metrics}
+    client_stats = {name: fed.weighted_mean(s, counted) for name, s in reports.stats.items()}
+    metrics = {**client_stats, **metrics, **server_metrics}
     return RoundState(server, aggregator_state, None, state.round + 1), metrics
 
 
 def payload_template(pieces: RoundPieces, params: Any) -> Any:
-    """Shapes and dtypes of what the server sends: the payload, the aggregator state."""
+    """Shapes and dtypes of what the server sends: the algorithm's payload."""
     state = jax.eval_shape(lambda p: server_state(pieces, p), params)
-    return jax.eval_shape(lambda s: {"payload": pieces.payload(s.server),
-                                     "aggregator": s.aggregator}, state)
+    return jax.eval_shape(lambda s: {"payload": pieces.payload(s.server)}, state)
 
 
 def key_data_template() -> jax.ShapeDtypeStruct:
@@ -337,6 +382,6 @@ def report_template(pieces: RoundPieces, params: Any, input_shape: list[int]) ->
         client_state = jax.eval_shape(pieces.client_state, params)
     key = key_data_template()
     report, _ = jax.eval_shape(
-        lambda p, c, b, a, k: client_step(pieces, p, c, b, jnp.float32(1.0), a, k, k),
-        sent["payload"], client_state, batches, sent["aggregator"], key)
+        lambda p, c, b, k: client_step(pieces, p, c, b, jnp.float32(1.0), k),
+        sent["payload"], client_state, batches, key)
     return report

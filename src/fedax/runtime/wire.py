@@ -31,6 +31,17 @@ either. In ``.proto`` terms::
       rpc Status(StatusRequest) returns (StatusReply);
     }
 
+A ``Submit`` call names its report in its metadata (``REPORT_KEYS``: round, attempt, model
+version, nonce), so the server checks all of it before it reads one byte of the body; the
+envelope repeats them and must agree. The server never reads the request of ``Join``,
+``Poll`` or ``Status`` (everything it needs is in the call's metadata), so a peer that opens
+a call and sends nothing holds no server thread. The chunk size is negotiated at ``Join``:
+the client says the largest piece it accepts (metadata ``MAX_CHUNK_KEY``), the server
+answers the size both use (``chunk_bytes``). The server serializes a round's tensors once
+and sends each selected client its own small header followed by those shared bytes
+(``task_bytes``): concatenated protobuf messages parse as one, so the model is serialized
+once per version, not once per client or poll.
+
 Arrays travel as ``Tensor``: the pytree path (``jax.tree_util.keystr``), the dtype name,
 the shape and the little-endian C-order bytes. A receiver never trusts any of it: it
 decodes against the structure it expects (``decode_tree``), and a path, dtype, shape or byte
@@ -114,6 +125,25 @@ METHODS = {
     "Submit": (Chunk, SubmitReply, True, False),
     "Status": (StatusRequest, StatusReply, False, False),
 }
+
+
+# Submit metadata: the report's round id, checked before its body is read.
+REPORT_KEYS = ("fedax-round", "fedax-attempt", "fedax-model-version", "fedax-nonce")
+MAX_CHUNK_KEY = "fedax-max-chunk-bytes"  # Join metadata: the largest piece a client takes
+
+
+def report_metadata(envelope: Any) -> tuple[tuple[str, str], ...]:
+    """The ``REPORT_KEYS`` metadata of a report envelope."""
+    values = (str(int(envelope.round)), str(int(envelope.attempt)), envelope.model_version,
+              envelope.nonce)
+    return tuple(zip(REPORT_KEYS, values, strict=True))
+
+
+def task_bytes(header: Any, shared: bytes) -> bytes:
+    """One client's task: its ``header`` envelope (no tensors) serialized, then the
+    round's ``shared`` serialized tensors (``Envelope(tensors=...)``), parsed by the
+    receiver as one ``Envelope`` (protobuf merges concatenated messages)."""
+    return header.SerializeToString() + shared
 
 
 class WireError(ValueError):
@@ -234,32 +264,47 @@ def chunks(envelope: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator:
         yield Chunk(data=data[start:end], last=end >= len(data))
 
 
-def join_chunks(stream: Iterable, max_bytes: int, counter: list[int] | None = None) -> Any:
+def max_chunks(max_bytes: int, chunk_bytes: int) -> int:
+    """The most chunks a message of at most ``max_bytes`` may take in pieces of
+    ``chunk_bytes`` (a sender may cut smaller pieces, down to a sixteenth)."""
+    return 16 * (max(int(max_bytes), 1) // max(int(chunk_bytes), 1) + 1)
+
+
+def join_chunks(stream: Iterable, max_bytes: int, counter: list[int] | None = None,
+                limit_chunks: int | None = None) -> Any:
     """The ``Envelope`` carried by a stream of ``Chunk``s, read up to ``max_bytes``.
 
-    ``counter[0]`` (if given) is increased by the bytes read, also on failure.
+    ``counter[0]`` (if given) is increased by the bytes read, also on failure. The pieces
+    go into one buffer (no second copy of the message is joined from parts).
 
     Raises:
-      WireError: ``oversized`` past ``max_bytes`` (reading stops there), ``truncated`` if
+      WireError: ``oversized`` past ``max_bytes`` or ``limit_chunks`` chunks (reading stops
+        there), ``malformed`` for an empty chunk that is not the last, ``truncated`` if
         the stream ends before its last chunk, ``malformed`` if the bytes do not parse.
     """
-    parts, total, done = [], 0, False
+    buffer, count, done = bytearray(), 0, False
     for chunk in stream:
-        total += len(chunk.data)
+        count += 1
+        size = len(chunk.data)
         if counter is not None:
-            counter[0] += len(chunk.data)
-        if total > max_bytes:
+            counter[0] += size
+        if len(buffer) + size > max_bytes:
             raise WireError("oversized", f"message exceeds the limit of {max_bytes} bytes")
-        parts.append(chunk.data)
+        if limit_chunks is not None and count > limit_chunks:
+            raise WireError("oversized", f"message exceeds the limit of {limit_chunks} "
+                                         "chunks")
+        if not chunk.last and size == 0:
+            raise WireError("malformed", f"chunk {count} is empty and not the last")
+        buffer += chunk.data
         if chunk.last:
             done = True
             break
     if not done:
-        raise WireError("truncated", f"stream ended after {total} bytes without its last "
-                                     "chunk")
+        raise WireError("truncated", f"stream ended after {len(buffer)} bytes without its "
+                                     "last chunk")
     envelope = Envelope()
     try:
-        envelope.ParseFromString(b"".join(parts))
+        envelope.ParseFromString(memoryview(buffer))
     except Exception as err:  # protobuf's DecodeError, whatever its module
         raise WireError("malformed", f"message does not parse: {err}") from None
     return envelope

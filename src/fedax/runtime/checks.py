@@ -1,0 +1,131 @@
+"""What the server re-checks in every report, whatever the client says it ran.
+
+Over the network the client half of a round runs on a machine the server does not
+control, so every number in a report is a claim. After the wire checks (paths, dtypes,
+shapes, finite values; ``fedax.runtime.wire``) the server checks the report's *bounds*
+(``ReportChecks``), and then runs the aggregator's client stage (clipping, the adaptive
+clip's indicator, AdaCliP's whitening) on the report itself (``fedax.runtime.task``
+``server_step``): in the trusted-server model of DP-FedAvg (McMahan et al. 2018) the server
+clips, so no client can skip the clip or lie about whether it was clipped.
+
+The bounds (a report failing one is refused with kind ``bounds`` and never aggregated):
+
+* ``num_examples`` n_k is an integer in [0, ``max_examples``];
+* ``weight`` is in [0, ``max_examples``] (n_k, 1 or 0 for every registered algorithm);
+* ``stats["local_steps"]``, where the algorithm reports it, is an integer K_i in
+  [0, E·⌈n_k/B⌉] (``fedax.data.num_local_steps``; fewer with early stopping);
+* the exact sums an algorithm uploads beside its update (``AlgorithmSpec.exact_sums``,
+  which no aggregator sees) are what its client computes from the rest of the report:
+  SCAFFOLD (Option II) Δc_i = −c + Δy_i / (K_i η_l) with the server's own c, Δy_i the
+  report's update and K_i its steps, to float tolerance; FedNova (Σ n_i τ_i, Σ n_i) =
+  (n_k K_i, n_k) exactly. An algorithm with exact sums and no check here is refused by the
+  runtime (``sums_check``), so a new one cannot slip through unchecked. SCAFFOLD Option I
+  (Δc_i = g_i(x) − c_i, a gradient the server cannot recompute) is refused for the same
+  reason.
+
+What the bounds do not cover, by design: a client may send any update within them (the
+aggregator bounds its effect: a clip, a robust rule, DP noise), any n_k up to
+``max_examples`` (with n_k weights a client can weigh that much; use uniform weights
+against it), and training statistics that are only reported (``train_loss``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from fedax.data.client_data import num_local_steps
+
+# algorithm name -> check of its exact sums: (report, payload, steps) -> reason or None
+SumsCheck = Callable[[Any, Any, float], "str | None"]
+
+
+def _scaffold_sums(client_lr: float) -> SumsCheck:
+    def check(report, payload, steps):
+        _, control = payload
+        scale = max(steps, 1.0) * client_lr
+        active = float(report.num_examples) > 0
+        for path, (dc, c, u) in _leaves_with_path(report.sums, control, report.update):
+            dc, c, u = (np.asarray(a, np.float64) for a in (dc, c, u))
+            expected = (-c + u / scale) if active else np.zeros_like(c)
+            # the client computes (c_i − c + Δy/s) − c_i: rounding of order |c_i| ~ |c|
+            tolerance = 1e-3 * (np.abs(expected).max(initial=0.0)
+                                + np.abs(c).max(initial=0.0)) + 1e-6
+            if np.abs(dc - expected).max(initial=0.0) > tolerance:
+                return (f"SCAFFOLD control delta {path} is not −c + Δy/(K·η_l) for the "
+                        f"report's own update and K={steps:g}")
+        return None
+
+    return check
+
+
+def _fednova_sums(report, payload, steps):
+    del payload
+    weighted, total = (float(np.asarray(s)) for s in report.sums)
+    n = float(report.num_examples)
+    if total != n or weighted != np.float32(n * steps):
+        return (f"FedNova sums ({weighted:g}, {total:g}) are not (n_k·τ_k, n_k) = "
+                f"({n * steps:g}, {n:g})")
+    return None
+
+
+def sums_check(algorithm: str, client_lr: float) -> SumsCheck | None:
+    """The check of ``algorithm``'s exact sums; None if it uploads none. Raises
+    ``ValueError`` (naming the fix) for an algorithm whose sums the server cannot check."""
+    from fedax.algorithms import ALGORITHMS
+
+    if not ALGORITHMS[algorithm].exact_sums:
+        return None
+    checks = {"scaffold": _scaffold_sums(client_lr), "fednova": _fednova_sums}
+    if algorithm not in checks:
+        raise ValueError(f"algorithm {algorithm!r} uploads exact sums the server cannot "
+                         "check over the network (" + "; ".join(
+                             ALGORITHMS[algorithm].exact_sums) + "); use "
+                         + ("'scaffold' (Option II)" if algorithm.startswith("scaffold")
+                            else "another algorithm"))
+    return checks[algorithm]
+
+
+def _leaves_with_path(*trees):
+    leaves, _ = jax.tree_util.tree_flatten_with_path(trees[0])
+    others = [jax.tree.leaves(t) for t in trees[1:]]
+    for i, (path, leaf) in enumerate(leaves):
+        yield jax.tree_util.keystr(path), (leaf, *(o[i] for o in others))
+
+
+def _integer(value: float) -> bool:
+    return float(value) == float(np.floor(value))
+
+
+class ReportChecks:
+    """``check(report, payload) -> (kind, reason) | None`` for one decoded report
+    (NumPy leaves), against the payload the server sent this round."""
+
+    def __init__(self, algorithm: str, client_lr: float, local_epochs: int,
+                 batch_size: float, max_examples: int):
+        self.epochs, self.batch = int(local_epochs), batch_size
+        self.max_examples = int(max_examples)
+        self.sums = sums_check(algorithm, client_lr)
+
+    def check(self, report: Any, payload: Any) -> tuple[str, str] | None:
+        n = float(np.asarray(report.num_examples))
+        if not (0 <= n <= self.max_examples and _integer(n)):
+            return "bounds", (f"num_examples {n:g} is not an integer in [0, "
+                              f"{self.max_examples}] (server setting max_examples)")
+        w = float(np.asarray(report.weight))
+        if not 0 <= w <= self.max_examples:
+            return "bounds", f"weight {w:g} is not in [0, {self.max_examples}]"
+        most = num_local_steps(int(n), self.epochs, self.batch)
+        steps = report.stats.get("local_steps")
+        steps = None if steps is None else float(np.asarray(steps))
+        if steps is not None and not (0 <= steps <= most and _integer(steps)):
+            return "bounds", (f"local_steps {steps:g} is not an integer in [0, {most}] "
+                              f"(E·ceil(n_k/B) for n_k={n:g})")
+        if self.sums is not None:
+            reason = self.sums(report, payload, most if steps is None else steps)
+            if reason is not None:
+                return "bounds", reason
+        return None
