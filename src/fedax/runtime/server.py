@@ -66,6 +66,7 @@ import numpy as np
 
 from fedax.runtime import store, wire
 from fedax.runtime.checks import ReportChecks
+from fedax.runtime.config import ServerConfig
 from fedax.runtime.gate import Gate, RateLimitedLog, Rejections, read_deadline
 from fedax.runtime.security import Registry, ServerTLS
 from fedax.runtime.task import (
@@ -83,86 +84,6 @@ from fedax.runtime.task import (
 log = logging.getLogger("fedax.runtime.server")
 CHECKPOINT = "server_checkpoint.msgpack"
 ROUND_LOG = "rounds.jsonl"
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerConfig:
-    """How the server schedules rounds and what it accepts.
-
-    Attributes:
-      rounds: T, rounds to run.
-      cohort_size: K, accepted reports that close a round early.
-      over_selection: select ``ceil(K · (1 + over_selection))`` clients (at most those
-        alive), e.g. 0.3.
-      min_reports: a round closing at its deadline with fewer accepted reports is retried
-        (default K).
-      min_clients: alive clients needed before a round is opened (default: the
-        selection size).
-      deadline_s: seconds a round stays open.
-      max_attempts: retries of one round before the run stops with an error.
-      poll_interval_s: how long an idle client waits between polls (sent to clients)
-        when its poll is not held.
-      poll_hold_s: how long the server holds an idle client's poll open, waiting for its
-        task (long poll; at most half of ``liveness_s``).
-      liveness_s: a client counts as alive if it polled within this many seconds.
-      max_message_bytes: a larger report is refused (``oversized``).
-      chunk_bytes: the largest piece of a streamed message (also bounds every gRPC
-        message); a client may ask for smaller pieces at Join.
-      checkpoint_dir: where the checkpoint (after every round) and ``rounds.jsonl`` go.
-      keep_checkpoints: how many checkpoints are kept (the newest and the ones before).
-      max_workers: gRPC handler threads.
-      max_concurrent_rpcs: calls beyond this many are refused (``RESOURCE_EXHAUSTED``)
-        before they take a thread.
-      per_client_calls: open calls one client may have at once.
-      max_concurrent_reports: reports read at the same time (bounds the memory reports
-        take: about this many times ``max_message_bytes``); others wait up to 10 s.
-      report_read_s: a report stream still being read after this long is cancelled.
-      max_examples: the most examples (n_k, and the most weight) a report may claim.
-    """
-
-    rounds: int
-    cohort_size: int
-    over_selection: float = 0.0
-    min_reports: int | None = None
-    min_clients: int | None = None
-    deadline_s: float = 60.0
-    max_attempts: int = 10
-    poll_interval_s: float = 0.5
-    poll_hold_s: float = 5.0
-    liveness_s: float = 10.0
-    max_message_bytes: int = 256 << 20
-    chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
-    checkpoint_dir: str | None = None
-    keep_checkpoints: int = 3
-    max_workers: int = 64
-    max_concurrent_rpcs: int = 4096
-    per_client_calls: int = 4
-    max_concurrent_reports: int = 16
-    report_read_s: float = 120.0
-    max_examples: int = 1_000_000
-
-    def __post_init__(self):
-        checks = [("rounds", self.rounds >= 1), ("cohort_size", self.cohort_size >= 1),
-                  ("over_selection", self.over_selection >= 0),
-                  ("deadline_s", self.deadline_s > 0),
-                  ("min_reports", self.min_reports is None
-                   or 1 <= self.min_reports <= self.cohort_size),
-                  ("chunk_bytes", 1024 <= self.chunk_bytes <= 64 << 20),
-                  ("poll_hold_s", self.poll_hold_s >= 0),
-                  ("keep_checkpoints", self.keep_checkpoints >= 1),
-                  ("max_workers", self.max_workers >= 2),
-                  ("per_client_calls", self.per_client_calls >= 1),
-                  ("max_concurrent_reports", self.max_concurrent_reports >= 1),
-                  ("report_read_s", self.report_read_s > 0),
-                  ("max_examples", self.max_examples >= 1)]
-        for name, ok in checks:
-            if not ok:
-                raise ValueError(f"server setting {name}={getattr(self, name)!r} is out of "
-                                 "range; see fedax server --help")
-
-    @property
-    def selection_size(self) -> int:
-        return math.ceil(self.cohort_size * (1.0 + self.over_selection) - 1e-9)
 
 
 @dataclasses.dataclass
@@ -322,20 +243,14 @@ class Server:
     # ---------------------------------------------------------------- checkpoints
 
     def _checkpoint_paths(self) -> list[Path]:
-        """The newest checkpoint first, then the older ones kept."""
-        d = Path(self.config.checkpoint_dir)
-        return [d / CHECKPOINT] + [d / f"{CHECKPOINT}.{i}"
-                                   for i in range(1, self.config.keep_checkpoints)]
+        return store.kept_paths(Path(self.config.checkpoint_dir) / CHECKPOINT,
+                                self.config.keep_checkpoints)
 
     def _save(self, included: dict[int, tuple[int, int]]) -> None:
         if self.config.checkpoint_dir is None:
             return
-        paths = self._checkpoint_paths()
-        for newer, older in zip(paths[-2::-1], paths[:0:-1], strict=True):
-            if newer.exists():  # keep the last few: newest -> .1 -> .2 ...
-                os.replace(newer, older)
         # store.save writes through a 0600 temporary file: the secret stays the owner's.
-        store.save(paths[0], {
+        store.save_kept(self._checkpoint_paths(), {
             "version": 2, "task_sha256": self.task.sha256(), "round": self.rounds_done,
             "state": store.encode(self.state), "secret": self._secret,
             "key": np.asarray(jax.random.key_data(self._key)).tobytes(),
@@ -345,15 +260,7 @@ class Server:
     def _restore(self) -> None:
         if self.config.checkpoint_dir is None:
             raise ValueError("resume needs a checkpoint_dir")
-        data = None
-        for path in self._checkpoint_paths():
-            if not path.exists():
-                continue
-            try:
-                data = store.load(path)
-                break
-            except ValueError as err:
-                log.warning("%s; trying the checkpoint before it", err)
+        path, data = store.load_newest(self._checkpoint_paths())
         if data is None:
             log.warning("no checkpoint in %s; starting from round 0",
                         self.config.checkpoint_dir)

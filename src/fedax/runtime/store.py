@@ -95,3 +95,33 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValueError(f"{path} is truncated or corrupted (checksum differs); delete it "
                          "or restore a good copy")
     return msgpack.unpackb(body, raw=False, strict_map_key=False)
+
+
+def kept_paths(path: str | os.PathLike[str], keep: int) -> list[Path]:
+    """``path`` and the older copies kept beside it (``path.1``, ``path.2``, ...)."""
+    path = Path(path)
+    return [path] + [path.with_name(f"{path.name}.{i}") for i in range(1, keep)]
+
+
+def save_kept(paths: list[Path], payload: dict[str, Any]) -> None:
+    """``save`` to ``paths[0]`` after shifting the files there one place down the list
+    (the oldest falls off): the last ``len(paths)`` versions are kept."""
+    for newer, older in zip(paths[-2::-1], paths[:0:-1], strict=True):
+        if newer.exists():
+            os.replace(newer, older)
+    save(paths[0], payload)
+
+
+def load_newest(paths: list[Path]) -> tuple[Path | None, dict[str, Any] | None]:
+    """The first of ``paths`` that exists and loads, as ``(path, payload)``; a damaged
+    one is logged and the next tried. ``(None, None)`` if none does."""
+    import logging
+
+    for path in paths:
+        if not path.exists():
+            continue
+        try:
+            return path, load(path)
+        except ValueError as err:
+            logging.getLogger("fedax.runtime").warning("%s; trying the one before it", err)
+    return None, None
