@@ -1,30 +1,40 @@
-"""The networked runtime on loopback: bytes on the wire per round against ``comm_cost``'s
-prediction, rounds per second and server CPU per client, for the MNIST 2NN (199,210
-parameters) with 10 and 100 clients.
+"""The networked runtime on loopback: server CPU per client per round, idle-client cost,
+rounds per second and bytes on the wire against ``comm_cost``, for the MNIST 2NN (199,210
+parameters); optionally the same measurements on an older fedax in the same run.
 
     flock /tmp/fedax-bench.lock .venv/bin/python benchmarks/bench_runtime.py \\
-        --clients 10,100 --rounds 5 --out benchmarks/results
+        --clients 100 --population 1000 --cohort 100 --over-selection 0.3 \\
+        --baseline ac877f4 --out benchmarks/results
 
-Setup: a ``fedax.runtime.Server`` (FedAvg, cohort = every client, TLS, tokens) in this
-process; the clients are light stubs in one child process (one TLS channel, token and
-poll loop each, as ``tests/test_runtime_faults.py``'s load test): each answers its task
-with a fixed, valid 2NN report, so the figures are the runtime's own cost (TLS, chunked
-streaming, per-report checks, stacking, the compiled aggregation and server update), not
-local training. The server process's CPU time (``resource.getrusage``) over the measured
-rounds, divided by rounds x clients, is the server CPU per client per round; it includes
-answering idle polls (every ``--poll-interval-s``). The first ``--warmup`` rounds (which
-compile the server step) are not measured.
+Two workloads:
 
-Bytes: ``bytes_out`` / ``bytes_in`` are the application bytes the server streamed (the
-serialized protobuf envelopes of tasks and idle-poll answers) and received (reports), per
-round; TLS records, HTTP/2 and gRPC framing below that are not counted. ``comm_cost``
-(``fedax.federated``) prices the same FedAvg round as a federated program: N x the
-broadcast model down, N x (update, weight, statistics) up. The ratio is the runtime's
-framing overhead (paths, dtypes, shapes, round ids, nonces, idle polls).
+* **cross-silo** (``--clients N``): N clients, every one in every round (the setting of
+  the earlier figure, 6-9 ms of server CPU per client per round);
+* **cross-device** (``--population P --cohort K --over-selection f``): P connected
+  clients, ceil(K(1+f)) selected a round, K reports close it (the rest are "unneeded"),
+  3 rounds within their deadline. Plus the **idle cost**: P connected clients and no
+  round open for ``--idle-s`` seconds (``min_clients`` above P), server CPU per idle
+  client per second.
 
-Flower's deployment runtime (SuperLink + SuperNodes) beside it, in the same run:
-``bench_flower_runtime.py`` (needs the benchmark environment ``.venv-bench``, ``make
-bench-env``; see benchmarks/README.md).
+Setup: a ``fedax.runtime.Server`` (FedAvg, TLS, tokens) in this process; the clients are
+light stubs in ``--processes`` child processes (one TLS channel, token and poll loop each,
+as ``tests/test_runtime_faults.py``'s load test): each answers its task with a fixed,
+valid 2NN report, so the figures are the runtime's own cost (TLS, authentication, polls,
+chunked streaming, per-report checks, the server-side clip stage, stacking, the compiled
+aggregation and server update), not local training. The server process's CPU time
+(``resource.getrusage``) over the measured rounds, divided by rounds x selected clients,
+is the server CPU per client per round; it includes answering idle polls. The first
+``--warmup`` rounds (which compile the server step) are not measured.
+
+``--baseline REV`` checks REV out into a temporary ``git worktree`` and runs the same
+measurements there (a child process with that tree's ``src`` first on ``PYTHONPATH``,
+in the same run, one after the other, never at once), then prints new/old ratios. The
+script adapts to the older API (settings it lacks are left out).
+
+Bytes: ``bytes_out`` / ``bytes_in`` are the application bytes the server streamed and
+received per round; TLS, HTTP/2 and gRPC framing are not counted. ``comm_cost``
+(``fedax.federated``) prices the same FedAvg round as a federated program. Flower's
+deployment runtime beside it: ``bench_flower_runtime.py`` (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -56,8 +66,10 @@ def _task(num_clients: int):
                 seed=0, input_shape=[28, 28, 1])
 
 
-def run_stubs(port: int, ca: str, tokens: dict[int, str], num_clients: int) -> None:
-    """The child process: ``num_clients`` stubs answering every task with a fixed report."""
+def run_stubs(port: int, ca: str, tokens: dict[int, str], num_clients: int,
+              ids: list[int]) -> None:
+    """A child process: stubs ``ids`` answering every task with a fixed, valid report
+    until the server says done or goes away."""
     import jax
     import numpy as np
 
@@ -68,26 +80,34 @@ def run_stubs(port: int, ca: str, tokens: dict[int, str], num_clients: int) -> N
     built = build(task)
     template = report_template(built.pieces, built.params, task.input_shape)
     report = jax.tree.map(lambda a: np.full(a.shape, 1e-4, a.dtype), template)
-    report = report._replace(weight=np.float32(600.0), num_examples=np.float32(600.0))
+    stats = dict(report.stats)
+    if "local_steps" in stats:  # E * ceil(600 / 10): a bound the server checks
+        stats["local_steps"] = np.float32(60.0)
+    report = report._replace(weight=np.float32(600.0), num_examples=np.float32(600.0),
+                             stats=stats)
     tensors = wire.encode_tree(report)
 
     def stub(cid):
         conn = Connection(f"127.0.0.1:{port}", ClientTLS(ca), cid, tokens[cid], timeout_s=60)
-        conn.chunk_bytes = conn.join().chunk_bytes
-        while True:
-            env = conn.poll()
-            if env.kind == "done":
-                break
-            if env.kind == "wait":
-                time.sleep(env.retry_after_s)
-                continue
-            conn.submit(wire.Envelope(kind="update", client_id=cid, round=env.round,
-                                      attempt=env.attempt, model_version=env.model_version,
-                                      nonce=env.nonce, tensors=tensors))
-        conn.close()
+        try:
+            conn.chunk_bytes = conn.join().chunk_bytes
+            while True:
+                env = conn.poll()
+                if env.kind == "done":
+                    break
+                if env.kind == "wait":
+                    time.sleep(env.retry_after_s)
+                    continue
+                conn.submit(wire.Envelope(kind="update", client_id=cid, round=env.round,
+                                          attempt=env.attempt,
+                                          model_version=env.model_version,
+                                          nonce=env.nonce, tensors=tensors))
+        except Exception:  # the server stopped (the idle measurement ends that way)
+            pass
+        finally:
+            conn.close()
 
-    threads = [threading.Thread(target=stub, args=(k,), daemon=True)
-               for k in range(num_clients)]
+    threads = [threading.Thread(target=stub, args=(k,), daemon=True) for k in ids]
     for th in threads:
         th.start()
     for th in threads:
@@ -121,75 +141,210 @@ def predicted_bytes(num_clients: int) -> tuple[int, int]:
     return cost.server_to_clients_bytes, cost.clients_to_server_bytes
 
 
-def bench(num_clients: int, rounds: int, warmup: int, poll_interval_s: float) -> dict:
+def _config(**settings):
+    """A ``ServerConfig`` with the settings this fedax has (an older one lacks some)."""
+    import dataclasses
+
+    from fedax.runtime import ServerConfig
+
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    return ServerConfig(**{k: v for k, v in settings.items() if k in names})
+
+
+def _serve(population: int, settings: dict, processes: int):
+    """A started server over a fresh PKI and its stub processes."""
+    from fedax.runtime import Registry, Server, ServerTLS, make_dev_pki
+
+    tmp = tempfile.TemporaryDirectory()
+    pki = make_dev_pki(tmp.name, population)
+    server = Server(_task(population), _config(**settings),
+                    ServerTLS(pki["cert"], pki["key"]), Registry.load(pki["registry"]))
+    port = server.start()
+    tokens = Path(tmp.name) / "tokens.json"
+    tokens.write_text(json.dumps({str(k): v for k, v in pki["tokens"].items()}))
+    children = []
+    for p in range(processes):
+        ids = ",".join(str(k) for k in range(p, population, processes))
+        children.append(subprocess.Popen([sys.executable, __file__, STUBS, str(port),
+                                          pki["ca"], str(tokens), str(population), ids]))
+    return server, children, tmp
+
+
+def _reap(server, children, tmp) -> None:
+    try:
+        for child in children:
+            try:
+                child.wait(120)
+            except subprocess.TimeoutExpired:
+                child.kill()
+    finally:
+        server.stop()
+        tmp.cleanup()
+
+
+def bench(population: int, cohort: int, over_selection: float, rounds: int, warmup: int,
+          poll_interval_s: float, processes: int) -> dict:
     import numpy as np
 
-    from fedax.runtime import Registry, Server, ServerConfig, ServerTLS, make_dev_pki
-
-    with tempfile.TemporaryDirectory() as tmp:
-        pki = make_dev_pki(tmp, num_clients)
-        server = Server(_task(num_clients),
-                        ServerConfig(rounds=warmup + rounds, cohort_size=num_clients,
-                                     deadline_s=300, poll_interval_s=poll_interval_s,
-                                     max_workers=32),
-                        ServerTLS(pki["cert"], pki["key"]), Registry.load(pki["registry"]))
-        port = server.start()
-        tokens = Path(tmp) / "tokens.json"
-        tokens.write_text(json.dumps({str(k): v for k, v in pki["tokens"].items()}))
-        child = subprocess.Popen([sys.executable, __file__, STUBS, str(port), pki["ca"],
-                                  str(tokens), str(num_clients)])
-        try:
-            while len(server.history) < warmup:
-                time.sleep(0.01)
-            cpu0, t0 = _cpu(), time.perf_counter()
-            server.wait(1800)
-            cpu1, t1 = _cpu(), time.perf_counter()
-            child.wait(120)
-        finally:
-            if child.poll() is None:
-                child.kill()
-            server.stop()
+    server, children, tmp = _serve(population, dict(
+        rounds=warmup + rounds, cohort_size=cohort, over_selection=over_selection,
+        deadline_s=60, poll_interval_s=poll_interval_s, max_workers=64), processes)
+    try:
+        while len(server.history) < warmup:
+            if server._error is not None:
+                raise server._error
+            time.sleep(0.01)
+        cpu0, t0 = _cpu(), time.perf_counter()
+        server.wait(1800)
+        cpu1, t1 = _cpu(), time.perf_counter()
+    finally:
+        _reap(server, children, tmp)
     measured = server.history[warmup:]
-    down, up = predicted_bytes(num_clients)
-    out = float(np.median([r["bytes_out"] for r in measured]))
-    inn = float(np.median([r["bytes_in"] for r in measured]))
-    return {
-        "clients": num_clients, "rounds": len(measured),
-        "rounds_per_s": len(measured) / (t1 - t0),
+    selected = float(np.mean([r["selected"] for r in measured]))
+    row = {
+        "population": population, "cohort": cohort, "selected": selected,
+        "rounds": len(measured), "rounds_per_s": len(measured) / (t1 - t0),
         "median_round_s": float(np.median([r["round_s"] for r in measured])),
-        "server_cpu_ms_per_client_round": 1000 * (cpu1 - cpu0) / (len(measured) * num_clients),
-        "bytes_out_per_round": out, "predicted_down": down, "overhead_down": out / down - 1,
-        "bytes_in_per_round": inn, "predicted_up": up, "overhead_up": inn / up - 1,
+        "max_round_s": float(np.max([r["round_s"] for r in measured])),
+        "reported": [r["reported"] for r in measured],
+        "server_cpu_ms_per_client_round": 1000 * (cpu1 - cpu0) / (len(measured) * selected),
+        "bytes_out_per_round": float(np.median([r["bytes_out"] for r in measured])),
+        "bytes_in_per_round": float(np.median([r["bytes_in"] for r in measured])),
     }
+    if population == cohort and over_selection == 0:
+        down, up = predicted_bytes(population)
+        row.update(predicted_down=down, overhead_down=row["bytes_out_per_round"] / down - 1,
+                   predicted_up=up, overhead_up=row["bytes_in_per_round"] / up - 1)
+    return row
+
+
+def idle(population: int, seconds: float, poll_interval_s: float, processes: int) -> dict:
+    """Server CPU per idle client per second: every client connected and polling, no round
+    opens (``min_clients`` above the population)."""
+    server, children, tmp = _serve(population, dict(
+        rounds=1, cohort_size=1, min_clients=population + 1, deadline_s=60,
+        poll_interval_s=poll_interval_s, max_workers=64), processes)
+    try:
+        end = time.monotonic() + 120
+        while len(server._alive()) < population and time.monotonic() < end:
+            time.sleep(0.1)
+        alive = len(server._alive())
+        cpu0, t0 = _cpu(), time.perf_counter()
+        time.sleep(seconds)
+        cpu1, t1 = _cpu(), time.perf_counter()
+    finally:
+        for child in children:
+            child.kill()
+        _reap(server, children, tmp)
+    return {"population": population, "alive": alive, "seconds": t1 - t0,
+            "server_cpu_ms_per_idle_client_s": 1000 * (cpu1 - cpu0) / (alive * (t1 - t0)),
+            "server_cpu_share": (cpu1 - cpu0) / (t1 - t0)}
+
+
+def measure(args) -> dict:
+    out = {"cross_silo": [bench(int(n), int(n), 0.0, args.rounds, args.warmup,
+                                args.poll_interval_s, args.processes)
+                          for n in args.clients.split(",") if n]}
+    if args.population:
+        out["cross_device"] = bench(args.population, args.cohort, args.over_selection,
+                                    args.device_rounds, args.warmup, args.poll_interval_s,
+                                    args.processes)
+        out["idle"] = idle(args.population, args.idle_s, args.poll_interval_s,
+                           args.processes)
+    return out
+
+
+def baseline(rev: str, argv: list[str]) -> dict:
+    """The same measurements on fedax at ``rev`` (a temporary worktree, a child
+    process)."""
+    repo = Path(__file__).resolve().parents[1]
+    tree = tempfile.mkdtemp(prefix="fedax-baseline-")
+    subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", tree, rev],
+                   check=True, capture_output=True)
+    try:
+        env = dict(os.environ, PYTHONPATH=str(Path(tree) / "src"))
+        result = Path(tree) / "result.json"
+        subprocess.run([sys.executable, __file__, *argv, "--measure-only", str(result)],
+                       check=True, env=env)
+        return json.loads(result.read_text())
+    finally:
+        subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", tree],
+                       check=False, capture_output=True)
+
+
+def _print(name: str, out: dict) -> None:
+    print(f"== {name}")
+    for r in out["cross_silo"]:
+        print(f"cross-silo {r['population']:>5} clients: {r['rounds_per_s']:.2f} rounds/s, "
+              f"round {r['median_round_s']:.3f} s, server CPU "
+              f"{r['server_cpu_ms_per_client_round']:.2f} ms/client/round, down "
+              f"{r['bytes_out_per_round']:.0f} B (+{100 * r['overhead_down']:.2f}% over "
+              f"comm_cost), up {r['bytes_in_per_round']:.0f} B "
+              f"(+{100 * r['overhead_up']:.2f}%)")
+    if "cross_device" in out:
+        r = out["cross_device"]
+        print(f"cross-device {r['population']} connected, {r['selected']:.0f} selected, "
+              f"cohort {r['cohort']}: rounds {r['median_round_s']:.3f} s (max "
+              f"{r['max_round_s']:.3f}), reported {r['reported']}, server CPU "
+              f"{r['server_cpu_ms_per_client_round']:.2f} ms/selected client/round")
+        i = out["idle"]
+        print(f"idle: {i['alive']} clients connected, no round: server CPU "
+              f"{i['server_cpu_ms_per_idle_client_s']:.3f} ms/idle client/s "
+              f"({100 * i['server_cpu_share']:.1f}% of a core)")
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == STUBS:
-        port, ca, tokens, n = sys.argv[2:6]
+        port, ca, tokens, n, ids = sys.argv[2:7]
         run_stubs(int(port), ca, {int(k): v for k, v in
-                                  json.loads(Path(tokens).read_text()).items()}, int(n))
+                                  json.loads(Path(tokens).read_text()).items()}, int(n),
+                  [int(k) for k in ids.split(",")])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", default="10,100")
+    parser.add_argument("--clients", default="10,100", help="cross-silo sizes")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--poll-interval-s", type=float, default=0.05)
+    parser.add_argument("--population", type=int, default=0,
+                        help="cross-device: connected clients (0: skip)")
+    parser.add_argument("--cohort", type=int, default=100)
+    parser.add_argument("--over-selection", type=float, default=0.3)
+    parser.add_argument("--device-rounds", type=int, default=3)
+    parser.add_argument("--idle-s", type=float, default=5.0)
+    parser.add_argument("--processes", type=int, default=4, help="stub processes")
+    parser.add_argument("--poll-interval-s", type=float, default=0.5)
+    parser.add_argument("--baseline", help="a git revision to measure in the same run")
+    parser.add_argument("--measure-only", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="write runtime-<date>.json here")
     args = parser.parse_args()
-    rows = [bench(int(n), args.rounds, args.warmup, args.poll_interval_s)
-            for n in args.clients.split(",")]
-    print(f"{'clients':>7} {'rounds/s':>9} {'round s':>8} {'srv CPU ms/client':>18} "
-          f"{'down B/round':>13} {'comm_cost':>11} {'+%':>6} {'up B/round':>12} "
-          f"{'comm_cost':>11} {'+%':>6}")
-    for r in rows:
-        print(f"{r['clients']:>7} {r['rounds_per_s']:>9.2f} {r['median_round_s']:>8.3f} "
-              f"{r['server_cpu_ms_per_client_round']:>18.2f} {r['bytes_out_per_round']:>13.0f} "
-              f"{r['predicted_down']:>11} {100 * r['overhead_down']:>6.2f} "
-              f"{r['bytes_in_per_round']:>12.0f} {r['predicted_up']:>11} "
-              f"{100 * r['overhead_up']:>6.2f}")
+    if args.measure_only:
+        Path(args.measure_only).write_text(json.dumps(measure(args)))
+        return
+    own = sys.argv[1:]
+    rows = {"fedax": measure(args)}
+    if args.baseline:
+        skip = {"--baseline", "--out"}
+        argv = [a for i, a in enumerate(own) if a not in skip and own[i - 1] not in skip]
+        rows[f"fedax@{args.baseline}"] = baseline(args.baseline, argv)
+    for name, out in rows.items():
+        _print(name, out)
+    if args.baseline:
+        new, old = rows["fedax"], rows[f"fedax@{args.baseline}"]
+        key = "server_cpu_ms_per_client_round"
+        for a, b in zip(new["cross_silo"], old["cross_silo"], strict=True):
+            print(f"ratio cross-silo {a['population']}: server CPU per client-round new/old "
+                  f"{a[key] / b[key]:.2f}, rounds/s new/old "
+                  f"{a['rounds_per_s'] / b['rounds_per_s']:.2f}")
+        if "cross_device" in new:
+            print(f"ratio cross-device: server CPU per client-round new/old "
+                  f"{new['cross_device'][key] / old['cross_device'][key]:.2f}; idle cost "
+                  f"new/old {new['idle']['server_cpu_ms_per_idle_client_s'] / old['idle']['server_cpu_ms_per_idle_client_s']:.2f}")  # noqa: E501
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = Path(args.out) / f"runtime-{dt.date.today().isoformat()}.json"
+        n = 1
+        while path.exists():  # never replace an earlier result
+            n += 1
+            path = path.with_name(f"runtime-{dt.date.today().isoformat()}-{n}.json")
         path.write_text(json.dumps({"rows": rows, "argv": sys.argv[1:],
                                     "cpus": os.cpu_count()}, indent=1) + "\n")
         print(f"wrote {path}")

@@ -26,7 +26,13 @@ class ServerConfig:
       poll_interval_s: how long an idle client waits between polls (sent to clients)
         when its poll is not held.
       poll_hold_s: how long the server holds an idle client's poll open, waiting for its
-        task (long poll; at most half of ``liveness_s``).
+        task (long poll; at most half of ``liveness_s``), while fewer than half of
+        ``max_workers`` polls are held.
+      max_idle_polls_per_s: the idle polls the server invites per second, all clients
+        together: a poll it does not hold is told to come back after
+        ``max(poll_interval_s, alive clients / this)`` seconds (at most half of
+        ``liveness_s``), so idle clients cost the server a bounded rate however many
+        there are.
       liveness_s: a client counts as alive if it polled within this many seconds.
       max_message_bytes: a larger report is refused (``oversized``).
       chunk_bytes: the largest piece of a streamed message (also bounds every gRPC
@@ -52,6 +58,7 @@ class ServerConfig:
     max_attempts: int = 10
     poll_interval_s: float = 0.5
     poll_hold_s: float = 5.0
+    max_idle_polls_per_s: float = 500.0
     liveness_s: float = 10.0
     max_message_bytes: int = 256 << 20
     chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
@@ -72,6 +79,7 @@ class ServerConfig:
                    or 1 <= self.min_reports <= self.cohort_size),
                   ("chunk_bytes", 1024 <= self.chunk_bytes <= 64 << 20),
                   ("poll_hold_s", self.poll_hold_s >= 0),
+                  ("max_idle_polls_per_s", self.max_idle_polls_per_s > 0),
                   ("keep_checkpoints", self.keep_checkpoints >= 1),
                   ("max_workers", self.max_workers >= 2),
                   ("per_client_calls", self.per_client_calls >= 1),

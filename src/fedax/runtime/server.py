@@ -470,10 +470,15 @@ class Server:
         return wire.task_bytes(header, r.shared)
 
     def _idle(self, cid: int, held: bool) -> bytes:
+        """A "wait" (or "done") answer; a poll that was not held is paced so that idle
+        clients poll ``max_idle_polls_per_s`` times a second in all."""
+        cfg = self.config
         included = self.included.get(cid, (-1, -1))
+        pace = min(max(cfg.poll_interval_s, len(self.last_seen) / cfg.max_idle_polls_per_s),
+                   cfg.liveness_s / 2)
         return wire.Envelope(kind="done" if self._done else "wait", client_id=cid,
                              rounds_done=self.rounds_done,
-                             retry_after_s=0.0 if held else self.config.poll_interval_s,
+                             retry_after_s=0.0 if held else pace,
                              included_round=included[0],
                              included_attempt=included[1]).SerializeToString()
 
