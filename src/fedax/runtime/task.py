@@ -201,7 +201,8 @@ def make_aggregator(spec: dict[str, Any] | None) -> Any:
     algorithm's default). ``spec`` is ``{"kind": KIND, **arguments}``:
 
     * ``mean``: the weighted mean (FedAvg's);
-    * ``clip_norm`` (``clip``): clip each update on its client, then the weighted mean;
+    * ``clip_norm`` (``clip``): clip each update (the server does, per report), then the
+      weighted mean;
     * ``dp_gaussian`` (``clip``, ``noise_multiplier``, ``expected_clients`` or
       ``denominator``; ``per_layer``, ``weighting``, ``example_cap``): DP-FedAvg with a
       fixed clip (``aggregators.dp_gaussian``);
