@@ -12,8 +12,8 @@ The round is ``fedax.algorithms.cohort_round`` cut where the network cuts it
 * ``client_step`` (on each client, jit-compiled): the algorithm's ``client_update`` on the
   client's own batches and per-client state;
 * ``server_step`` (on the server, jit-compiled, over the accepted clients' reports
-  stacked on a leading clients axis): the aggregator's client stage (clipping) on every
-  report, ``reweigh``, the aggregator's ``reduce`` and ``server`` stages, the federated
+  stacked on a leading clients axis): ``reweigh``, the aggregator's client stage
+  (clipping) on every report, its ``reduce`` and ``server`` stages, the federated
   sum of ``sums`` and the algorithm's ``server_update``.
 
 The aggregator's client stage runs on the server, not on the client: in the trusted-server
@@ -323,12 +323,14 @@ def server_step(pieces: RoundPieces, state: RoundState, reports: Report,
     """The server's half of round ``state.round`` on the accepted reports (client-placed:
     leading axis C; padding rows, ``real`` False, have weight 0 and zeros). Mirrors
     ``cohort_round`` after its ``map_clients``, with the finite and bounds checks done per
-    report before this call: the aggregator's client stage on each report with its key
-    (``client_keys[i]``, raw key data), its stats summed over the real rows, then
-    ``reweigh``, ``reduce``, ``server``, the sums and the server update."""
+    report before this call: ``reweigh``, the aggregator's client stage on each report
+    with its key (``client_keys[i]``, raw key data; its stats summed over the real rows),
+    ``reduce``, ``server``, the sums and the server update."""
     _, reduce_key, server_key = jax.random.split(key, 3)
     aggregator = pieces.aggregator
     updates, weights = reports.update, reports.weight
+    if pieces.reweigh is not None:  # before the aggregator, as in ``cohort_round``
+        weights = pieces.reweigh(weights, reports.stats)
     stats = None
     if aggregator.client is not None:
         def one(update, weight, raw_key):
@@ -339,8 +341,6 @@ def server_step(pieces: RoundPieces, state: RoundState, reports: Report,
         keep = real.astype(jnp.int32)
         stats = jax.tree.map(
             lambda s: (s * keep.reshape(-1, *([1] * (s.ndim - 1))).astype(s.dtype)), stats)
-    if pieces.reweigh is not None:
-        weights = pieces.reweigh(weights, reports.stats)
     value, metrics = aggregator.reduce(updates, weights, state.aggregator, reduce_key)
     metrics = dict(metrics)
     aggregator_state = state.aggregator
