@@ -55,7 +55,7 @@ from fedax.algorithms.server_optimizers import (
     server_optimizer,
     with_server_learning_rate,
 )
-from fedax.client import LossFn
+from fedax.client import EBStopping, LossFn
 
 AlgorithmFactory = Callable[..., FederatedAlgorithm]
 _make_server_optimizer = server_optimizer  # (shadowed by a keyword below)
@@ -81,6 +81,8 @@ class AlgorithmSpec:
         (``tests/test_privacy_combinations.py`` checks the declaration against the
         algorithm's own client message).
       example_dp: its local training can run example-level DP-SGD (``example_privacy``).
+      local_stopping: its clients can stop their local steps early by the EB criterion
+        (``local_stopping``, a ``fedax.client.EBStopping``).
     """
 
     name: str
@@ -90,6 +92,7 @@ class AlgorithmSpec:
     doc: str = ""
     exact_sums: tuple[str, ...] = ()
     example_dp: bool = False
+    local_stopping: bool = False
 
     def server_optimizer_name(self, requested: str | None = None) -> str:
         """The server optimizer for ``requested`` (a ``SERVER_OPTIMIZERS`` name or None):
@@ -111,6 +114,7 @@ class AlgorithmSpec:
                  server_optimizer: str | optax.GradientTransformation | None = None,
                  server_lr: Any = None, aggregator: Any = None,
                  example_privacy: tuple[float, float] | None = None,
+                 local_stopping: EBStopping | None = None,
                  **options: Any) -> FederatedAlgorithm:
         """Builds the algorithm.
 
@@ -121,6 +125,8 @@ class AlgorithmSpec:
           aggregator: passed on (default: the algorithm's, the weighted mean).
           example_privacy: ``(l2_clip, noise_multiplier)``: example-level DP-SGD in the
             local steps (FedAvg, FedProx and the FedOpt names only).
+          local_stopping: an ``EBStopping`` rule for the clients' local steps (the
+            algorithms whose spec says ``local_stopping``).
           **options: the algorithm's own ``options`` and the server optimizer's other
             hyperparameters (``b1``, ``tau``, ``momentum``, ...).
 
@@ -158,15 +164,21 @@ class AlgorithmSpec:
                 raise ValueError(f"algorithm {self.name!r} has no example-level DP-SGD; use "
                                  "fedavg, fedprox or a FedOpt name, or user-level DP")
             own["example_privacy"] = example_privacy
+        if local_stopping is not None:
+            if not self.local_stopping:
+                able = ", ".join(n for n, s in ALGORITHMS.items() if s.local_stopping)
+                raise ValueError(f"algorithm {self.name!r} has no local training to stop "
+                                 f"early; use one of {able}")
+            own["local_stopping"] = local_stopping
         return self.build(loss_fn, num_clients=num_clients, client_lr=client_lr,
                           server_optimizer=transform, aggregator=aggregator, **own)
 
 
 def _fedavg(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator,
-            example_privacy=None):
+            example_privacy=None, local_stopping=None):
     del num_clients
     return fedavg(loss_fn, optax.sgd(client_lr), server_optimizer, aggregator=aggregator,
-                  example_privacy=example_privacy)
+                  example_privacy=example_privacy, local_stopping=local_stopping)
 
 
 def _fedsgd(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator):
@@ -175,16 +187,17 @@ def _fedsgd(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator):
 
 
 def _fedprox(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator, mu,
-             example_privacy=None):
+             example_privacy=None, local_stopping=None):
     del num_clients
     return fedprox(loss_fn, optax.sgd(client_lr), mu, server_optimizer, aggregator=aggregator,
-                   example_privacy=example_privacy)
+                   example_privacy=example_privacy, local_stopping=local_stopping)
 
 
 def _scaffold(option):
-    def build(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator, weighting):
+    def build(loss_fn, *, num_clients, client_lr, server_optimizer, aggregator, weighting,
+              local_stopping=None):
         return scaffold(loss_fn, client_lr, num_clients, option, server_optimizer, weighting,
-                        aggregator=aggregator)
+                        aggregator=aggregator, local_stopping=local_stopping)
 
     return build
 
@@ -192,32 +205,38 @@ def _scaffold(option):
 _REDDI = "Reddi et al. 2021"
 _SCAFFOLD_SUMS = ("the control-variate deltas Δc_i (model-sized, from its gradients)",)
 ALGORITHMS: dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
-    AlgorithmSpec("fedavg", _fedavg, doc="FedAvg (McMahan et al. 2017)", example_dp=True),
+    AlgorithmSpec("fedavg", _fedavg, doc="FedAvg (McMahan et al. 2017)", example_dp=True,
+                  local_stopping=True),
     AlgorithmSpec("fedsgd", _fedsgd, doc="FedSGD, one full-batch gradient a client"
                   " (McMahan et al. 2017)"),
     AlgorithmSpec("fedprox", _fedprox, {"mu": 0.01}, doc="FedProx, FedAvg with a proximal"
-                  " term (μ/2)‖w − w_t‖² (Li et al. 2020)", example_dp=True),
+                  " term (μ/2)‖w − w_t‖² (Li et al. 2020)", example_dp=True,
+                  local_stopping=True),
     AlgorithmSpec("scaffold", _scaffold("II"), {"weighting": "uniform"},
                   doc="SCAFFOLD, Option II (Karimireddy et al. 2020)",
-                  exact_sums=_SCAFFOLD_SUMS),
+                  exact_sums=_SCAFFOLD_SUMS, local_stopping=True),
     AlgorithmSpec("scaffold_option1", _scaffold("I"), {"weighting": "uniform"},
                   doc="SCAFFOLD, Option I (Karimireddy et al. 2020)",
-                  exact_sums=_SCAFFOLD_SUMS),
+                  exact_sums=_SCAFFOLD_SUMS, local_stopping=True),
     AlgorithmSpec("fednova", make_fednova, doc="FedNova, normalized averaging of local"
                   " SGD updates (Wang et al. 2020)",
                   exact_sums=("Σ n_i τ_i and Σ n_i (the clients' local steps and data "
-                              "sizes, for τ_eff)",)),
+                              "sizes, for τ_eff)",), local_stopping=True),
     AlgorithmSpec("fedadagrad", _fedavg, server_optimizer="adagrad",
-                  doc=f"FedAdagrad, FedAvg with server Adagrad ({_REDDI})", example_dp=True),
+                  doc=f"FedAdagrad, FedAvg with server Adagrad ({_REDDI})", example_dp=True,
+                  local_stopping=True),
     AlgorithmSpec("fedadam", _fedavg, server_optimizer="adam",
                   doc=f"FedAdam, FedAvg with server Adam, no bias correction ({_REDDI})",
-                  example_dp=True),
+                  example_dp=True, local_stopping=True),
     AlgorithmSpec("fedyogi", _fedavg, server_optimizer="yogi",
-                  doc=f"FedYogi, FedAvg with server Yogi ({_REDDI})", example_dp=True),
+                  doc=f"FedYogi, FedAvg with server Yogi ({_REDDI})", example_dp=True,
+                  local_stopping=True),
     AlgorithmSpec("fedamsgrad", _fedavg, server_optimizer="amsgrad",
-                  doc=f"FedAMSGrad, FedAvg with server AMSGrad ({_REDDI})", example_dp=True),
+                  doc=f"FedAMSGrad, FedAvg with server AMSGrad ({_REDDI})", example_dp=True,
+                  local_stopping=True),
     AlgorithmSpec("fedavgm", _fedavg, server_optimizer="momentum",
-                  doc="FedAvgM, FedAvg with server momentum (Hsu et al. 2019)", example_dp=True),
+                  doc="FedAvgM, FedAvg with server momentum (Hsu et al. 2019)", example_dp=True,
+                  local_stopping=True),
 )}
 """Name -> :class:`AlgorithmSpec`, called as ``ALGORITHMS[name](loss_fn, *, num_clients,
 client_lr, **options)``."""

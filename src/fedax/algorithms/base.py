@@ -194,6 +194,8 @@ class RoundPieces(NamedTuple):
         sees them (its finite check, its aggregator), written with the placement
         primitives (an omniscient attack reads the honest clients' mean through them).
         ``key`` is the round key folded with a constant of its own.
+      spread: names of per-client ``stats`` whose spread over the cohort the round also
+        reports (``spread_metrics``), e.g. ``("local_steps",)`` when clients stop early.
     """
 
     server_init: Callable[[Any], Any]
@@ -206,6 +208,7 @@ class RoundPieces(NamedTuple):
     reweigh: Callable[[jax.Array, dict[str, jax.Array]], jax.Array] | None = None
     keyed: bool = False
     adversary: Callable[..., tuple[Any, jax.Array]] | None = None
+    spread: tuple[str, ...] = ()
 
 
 _ADVERSARY_KEY = 0x61647672  # "advr": the stream of simulated attackers' random numbers
@@ -252,6 +255,31 @@ def init_state(pieces: RoundPieces, params: Any, num_clients: int | None = None)
             lambda a: jnp.broadcast_to(jnp.asarray(a), (num_clients, *jnp.shape(a))).copy(), one)
     return RoundState(pieces.server_init(params), pieces.aggregator.init(params), clients,
                       jnp.zeros((), jnp.int32))
+
+
+def spread_metrics(stats: dict[str, jax.Array], names: tuple[str, ...],
+                   num_examples: jax.Array) -> dict[str, jax.Array]:
+    """The spread over the cohort of the client-placed ``[C]`` stats ``names``: for each,
+    ``<name>_min``, ``<name>_max`` and ``<name>_total`` (their sum) over the real clients
+    (n_k > 0, accepted or not: the work they did; a non-finite value counts as 0) and
+    ``<name>_per_client``, the ``[C]`` values at the server (0 for padding clients; the
+    TensorBoard logger writes it as a histogram). One ``fed.collect`` of C scalars each."""
+    if not names:
+        return {}
+    values, n = fed.collect(({name: stats[name] for name in names}, num_examples))
+    real = n > 0
+    out = {}
+    for name, v in values.items():
+        counted = jnp.logical_and(real, jnp.isfinite(v))
+        v = jnp.where(counted, v, jnp.zeros((), v.dtype))
+        any_real = jnp.any(counted)
+        low = jnp.min(jnp.where(counted, v, jnp.asarray(jnp.inf, v.dtype)))
+        high = jnp.max(jnp.where(counted, v, jnp.asarray(-jnp.inf, v.dtype)))
+        out[f"{name}_min"] = jnp.where(any_real, low, jnp.zeros((), v.dtype))
+        out[f"{name}_max"] = jnp.where(any_real, high, jnp.zeros((), v.dtype))
+        out[f"{name}_total"] = jnp.sum(v)
+        out[f"{name}_per_client"] = v
+    return out
 
 
 def _merge(*dicts: dict[str, Any]) -> dict[str, Any]:
@@ -320,7 +348,8 @@ def cohort_round(
     counted = jnp.where(accepted.finite, cohort.num_examples, 0.0)
     stats = {name: fed.weighted_mean(s, counted) for name, s in message.stats.items()}
     metrics = _merge(stats, {"rejected_clients": accepted.rejected}, aggregator_metrics,
-                     server_metrics)
+                     server_metrics,
+                     spread_metrics(message.stats, pieces.spread, cohort.num_examples))
     written = jnp.logical_and(cohort.num_examples > 0, accepted.finite)
     new_state = RoundState(server, aggregator_state, state.clients, state.round + 1)
     return new_state, metrics, message.client_state, written

@@ -12,6 +12,18 @@ learning rate 1 this is exactly w_{t+1} = Σ (n_k/m_t) w^k_{t+1}, plain FedAvg.
 The optional ``client_objective`` changes what the clients minimize while keeping everything
 else (broadcast, masked local steps, aggregation, server optimizer): FedProx is FedAvg whose
 clients minimize F_k(w) + (μ/2)‖w − w_t‖² (``fedax.algorithms.fedprox``).
+
+With ``local_stopping`` (``fedax.client.EBStopping``) each client stops its local steps when
+the EB criterion of its objective says the gradient is noise (Mahsereci et al. 2017;
+docs/references.md, Local training and early stopping), so client k takes τ_k ≤ E·⌈n_k/B⌉
+steps. The weights stay n_k: the mean of the deltas, each about τ_k steps long, then weighs
+client k by about n_k τ_k (Wang et al. 2020's objective inconsistency), so a client that
+stopped early pulls the model less (and one stopped at its first check, after m steps,
+little). That is the rule's intent (it stopped because what remained was noise), but the
+server then optimizes a τ-weighted objective; FedNova's normalized averaging
+(``fedax.algorithms.fednova``, which takes the same ``local_stopping``) averages the mean
+step (x − y_k)/τ_k with weights n_k and rescales by τ_eff = Σ p_k τ_k instead, which keeps
+the objective Σ p_k F_k at the price of amplifying the few steps of stopped clients.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from fedax.algorithms.base import (
     compose,
     default_aggregator,
 )
-from fedax.client import Batches, LossFn, dp_local_train, local_train
+from fedax.client import Batches, EBStopping, LossFn, dp_local_train, local_train
 
 
 class ServerState(NamedTuple):
@@ -49,6 +61,7 @@ def model_pieces(
     pseudo_gradient: Callable[[Any, Any], Any] | None = None,
     reweigh: Callable[[jax.Array, dict[str, jax.Array]], jax.Array] | None = None,
     keyed: bool = False,
+    spread: tuple[str, ...] = (),
 ) -> RoundPieces:
     """The pieces of the FedAvg family around ``client_update``: the server holds the model
     and its optimizer state (``ServerState``), broadcasts the model, and applies
@@ -66,7 +79,7 @@ def model_pieces(
 
     return RoundPieces(server_init, lambda server: server.params, client_update, server_update,
                        lambda server: server.params, default_aggregator(aggregator),
-                       reweigh=reweigh, keyed=keyed)
+                       reweigh=reweigh, keyed=keyed, spread=spread)
 
 
 def fedavg(
@@ -77,6 +90,7 @@ def fedavg(
     client_weights: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
     aggregator: Aggregator | None = None,
     example_privacy: tuple[float, float] | None = None,
+    local_stopping: EBStopping | None = None,
 ) -> FederatedAlgorithm:
     """FedAvg with an optax client optimizer and an optax server optimizer.
 
@@ -100,6 +114,9 @@ def fedavg(
         example-level DP-SGD (``fedax.client.dp_local_train``: per-example clipping and
         Gaussian noise in every local step, with the client's own key) instead of
         ``local_train``; the round then needs a key.
+      local_stopping: an ``EBStopping`` rule: each client stops its local steps when the
+        EB criterion of its objective fires (``fedax.client.early_stopping``). Not with
+        ``example_privacy`` (the criterion reads the raw per-example gradients).
 
     Returns:
       A ``FederatedAlgorithm`` (state ``RoundState`` with server ``ServerState``). Its
@@ -107,20 +124,26 @@ def fedavg(
       local objective, i.e. ``loss_fn`` unless ``client_objective`` is given),
       ``local_steps`` (n_k-weighted mean of their real local steps), ``rejected_clients``
       (clients whose update or loss was not finite: they are left out of the aggregate; see
-      ``accept_finite``) and the aggregator's metrics.
+      ``accept_finite``) and the aggregator's metrics. With ``local_stopping`` also
+      ``stopped_early`` (the n_k-weighted fraction of clients whose criterion fired) and
+      the spread of the steps taken (``local_steps_min``, ``_max``, ``_total``,
+      ``_per_client``; ``fedax.algorithms.base.spread_metrics``).
     """
+    check_stopping(local_stopping, example_privacy)
+
     def client_update(params, client_state, batches: Batches, num_examples, key=None):
         del client_state
         objective = loss_fn if client_objective is None else client_objective(loss_fn, params)
         if example_privacy is None:
-            result = local_train(objective, params, batches, client_optimizer)
+            result = local_train(objective, params, batches, client_optimizer,
+                                 stopping=local_stopping)
         else:
             l2_clip, noise_multiplier = example_privacy
             result = dp_local_train(objective, params, batches, client_optimizer,
                                     l2_clip=l2_clip, noise_multiplier=noise_multiplier,
                                     key=key)
         delta = jax.tree.map(jnp.subtract, params, result.params)
-        stats = {"train_loss": result.loss, "local_steps": result.num_steps}
+        stats = stopping_stats(result)
         return ClientMessage(delta, num_examples, stats)
 
     reweigh = None
@@ -129,4 +152,31 @@ def fedavg(
             return client_weights(weights, stats["train_loss"])
 
     return compose(model_pieces(client_update, server_optimizer, aggregator, reweigh=reweigh,
-                                keyed=example_privacy is not None))
+                                keyed=example_privacy is not None,
+                                spread=stopping_spread(local_stopping)))
+
+
+def check_stopping(local_stopping: Any, example_privacy: Any = None) -> None:
+    """Raises ``ValueError`` for a ``local_stopping`` that is not None or an ``EBStopping``,
+    or one given with example-level DP-SGD."""
+    if local_stopping is not None and not isinstance(local_stopping, EBStopping):
+        raise ValueError("local_stopping must be None or a fedax.client.EBStopping "
+                         f"(fedax.client.eb_stopping(...)), got {local_stopping!r}.")
+    if local_stopping is not None and example_privacy is not None:
+        raise ValueError("local_stopping does not compose with example_privacy: the EB "
+                         "criterion reads the raw per-example gradients, a release the "
+                         "example-level epsilon does not count.")
+
+
+def stopping_stats(result: Any) -> dict[str, jax.Array]:
+    """A client's ``train_loss`` and ``local_steps`` (the steps it took), and with a stopping
+    rule ``stopped_early`` (1.0 when its criterion fired, else 0.0)."""
+    stats = {"train_loss": result.loss, "local_steps": result.num_steps}
+    if result.stopping is not None:
+        stats["stopped_early"] = result.stopping.stopped.astype(result.num_steps.dtype)
+    return stats
+
+
+def stopping_spread(local_stopping: Any) -> tuple[str, ...]:
+    """The stats whose spread a round reports: the local steps when clients may stop."""
+    return ("local_steps",) if local_stopping is not None else ()

@@ -21,6 +21,11 @@ In pieces: the update is d_i with weight n_i, through the aggregator (Σ p_i d_i
 τ_eff takes two exact federated sums, Σ n_i τ_i and Σ n_i, which each client puts in ``sums``
 (summed over the same accepted clients; an aggregator may clip or noise the updates, never
 the sums). The round metric ``local_steps``, the n_k-weighted mean of τ_i, is τ_eff.
+
+With ``local_stopping`` (``fedax.client.EBStopping``) the τ_i are the steps each client took
+before its EB criterion fired: unequal by design, the case FedNova is for. Against FedAvg
+with the same rule (whose mean of raw updates weighs client i by about p_i τ_i), a client
+that stopped early keeps its weight p_i here, its few steps rescaled to τ_eff.
 """
 
 from __future__ import annotations
@@ -31,8 +36,13 @@ import optax
 
 from fedax.aggregators import Aggregator
 from fedax.algorithms.base import ClientMessage, FederatedAlgorithm, compose
-from fedax.algorithms.fedavg import model_pieces
-from fedax.client import Batches, LossFn, local_train
+from fedax.algorithms.fedavg import (
+    check_stopping,
+    model_pieces,
+    stopping_spread,
+    stopping_stats,
+)
+from fedax.client import Batches, EBStopping, LossFn, local_train
 
 
 def fednova(
@@ -40,6 +50,7 @@ def fednova(
     client_lr: float,
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: Aggregator | None = None,
+    local_stopping: EBStopping | None = None,
 ) -> FederatedAlgorithm:
     """FedNova with local SGD at ``client_lr`` and an optax server optimizer.
 
@@ -49,21 +60,25 @@ def fednova(
       server_optimizer: applied to the pseudo-gradient τ_eff Σ p_i d_i; default
         ``optax.sgd(1.0)``.
       aggregator: combines the d_i with weights n_i; default the weighted mean Σ p_i d_i.
+      local_stopping: an ``EBStopping`` rule: τ_i is then the steps client i took before
+        its EB criterion fired (see the module docstring).
 
     Returns:
       A ``FederatedAlgorithm`` (state ``RoundState`` with server ``ServerState``). Metrics:
-      ``train_loss``, ``local_steps`` (τ_eff), ``rejected_clients`` and the aggregator's.
+      ``train_loss``, ``local_steps`` (τ_eff), ``rejected_clients`` and the aggregator's;
+      with ``local_stopping`` also ``stopped_early`` and the spread of the τ_i.
     """
+    check_stopping(local_stopping)
     client_optimizer = optax.sgd(client_lr)
 
     def client_update(x, client_state, batches: Batches, num_examples):
         del client_state
-        result = local_train(loss_fn, x, batches, client_optimizer)
+        result = local_train(loss_fn, x, batches, client_optimizer, stopping=local_stopping)
         tau = result.num_steps  # τ_i; 0 for a padding client, whose d_i is then 0
         d = jax.tree.map(
             lambda a, b: (a - b) / jnp.maximum(tau, 1.0).astype(a.dtype), x, result.params)
-        stats = {"train_loss": result.loss, "local_steps": tau}
-        return ClientMessage(d, num_examples, stats, sums=(num_examples * tau, num_examples))
+        return ClientMessage(d, num_examples, stopping_stats(result),
+                             sums=(num_examples * tau, num_examples))
 
     def pseudo_gradient(mean_d, sums):
         weighted_steps, total = sums  # Σ n_i τ_i and Σ n_i over the accepted clients
@@ -71,7 +86,8 @@ def fednova(
         return jax.tree.map(lambda d: tau_eff.astype(d.dtype) * d, mean_d)
 
     return compose(model_pieces(client_update, server_optimizer, aggregator,
-                                pseudo_gradient=pseudo_gradient))
+                                pseudo_gradient=pseudo_gradient,
+                                spread=stopping_spread(local_stopping)))
 
 
 def make_fednova(
@@ -81,8 +97,9 @@ def make_fednova(
     client_lr: float,
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: Aggregator | None = None,
+    local_stopping: EBStopping | None = None,
 ) -> FederatedAlgorithm:
     """The registry's factory (``fedax.algorithms.ALGORITHMS``); FedNova keeps no
     per-client state, so ``num_clients`` is unused."""
     del num_clients
-    return fednova(loss_fn, client_lr, server_optimizer, aggregator)
+    return fednova(loss_fn, client_lr, server_optimizer, aggregator, local_stopping)

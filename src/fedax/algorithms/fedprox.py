@@ -31,7 +31,7 @@ import optax
 from fedax.aggregators import Aggregator
 from fedax.algorithms.base import FederatedAlgorithm
 from fedax.algorithms.fedavg import fedavg
-from fedax.client import LossFn
+from fedax.client import EBStopping, LossFn
 
 
 def proximal(mu: float) -> Callable[[LossFn, Any], LossFn]:
@@ -65,6 +65,7 @@ def fedprox(
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: Aggregator | None = None,
     example_privacy: tuple[float, float] | None = None,
+    local_stopping: EBStopping | None = None,
 ) -> FederatedAlgorithm:
     """FedProx: FedAvg with the proximal local objective F_k(w) + (μ/2)‖w − w_t‖².
 
@@ -76,10 +77,14 @@ def fedprox(
       aggregator: combines the clients' deltas; default the n_k-weighted mean.
       example_privacy: ``(l2_clip, noise_multiplier)`` for example-level DP-SGD in the
         local steps (see ``fedavg``).
+      local_stopping: an ``EBStopping`` rule (see ``fedavg``): the criterion tests the
+        gradient of the proximal objective, the one the client descends (its proximal part
+        is the same for every example: it moves g, not Σ̂).
 
     Returns:
       A ``FederatedAlgorithm`` with FedAvg's state and metrics; note that
       ``train_loss`` is the mean local *objective* h_k, proximal term included.
     """
     return fedavg(loss_fn, client_optimizer, server_optimizer, client_objective=proximal(mu),
-                  aggregator=aggregator, example_privacy=example_privacy)
+                  aggregator=aggregator, example_privacy=example_privacy,
+                  local_stopping=local_stopping)

@@ -37,6 +37,10 @@ Implementation notes:
   runner in a host or memory-mapped store through ``cohort_round``
   (``fedax.algorithms.base``). The c-update divides by N = ``num_clients`` either way.
 * The client optimizer is plain SGD with ``client_lr`` (Option II's formula assumes it).
+* **Early stopping** (``local_stopping``, ``fedax.client.EBStopping``): the EB criterion
+  tests the corrected gradient, the step the client would take (the correction c − c_i is
+  the same for every example: it moves g, not Σ̂), and K_i is the number of steps the
+  client took, so Option II's c_i⁺ divides by the steps that made y_i.
 
 Communication per round is twice FedAvg's, as in the paper: (x, c) down, (Δy_i, Δc_i) up.
 """
@@ -57,7 +61,8 @@ from fedax.algorithms.base import (
     compose,
     default_aggregator,
 )
-from fedax.client import Batches, LossFn, local_train, mean_gradient
+from fedax.algorithms.fedavg import check_stopping, stopping_spread, stopping_stats
+from fedax.client import Batches, EBStopping, LossFn, local_train, mean_gradient
 
 
 class ScaffoldServer(NamedTuple):
@@ -80,6 +85,7 @@ def scaffold(
     server_optimizer: optax.GradientTransformation | None = None,
     weighting: Literal["uniform", "num_examples"] = "uniform",
     aggregator: Aggregator | None = None,
+    local_stopping: EBStopping | None = None,
 ) -> FederatedAlgorithm:
     """SCAFFOLD, vectorized over the cohort, with per-client control variates c_i.
 
@@ -95,13 +101,17 @@ def scaffold(
         (n_k-weighted, as FedAvg).
       aggregator: combines the clients' x − y_i with those weights; default the weighted
         mean. (Δc_i is summed exactly, as the paper's c-update needs.)
+      local_stopping: an ``EBStopping`` rule: each client stops its corrected local steps
+        when the EB criterion fires (see the module docstring); K_i counts the steps taken.
 
     Returns:
       A ``FederatedAlgorithm`` (state ``RoundState``: server ``ScaffoldServer``, clients the
       c_i table). Metrics, as FedAvg's: ``train_loss`` (n_k-weighted mean of the clients'
       mean local loss ``loss_fn``, without the correction), ``local_steps`` (n_k-weighted
-      mean of real local steps) and ``rejected_clients``.
+      mean of real local steps) and ``rejected_clients``; with ``local_stopping`` also
+      ``stopped_early`` and the spread of the steps (see ``fedavg``).
     """
+    check_stopping(local_stopping)
     if option not in ("I", "II"):
         raise ValueError(f"SCAFFOLD option must be 'I' or 'II', got {option!r}.")
     if weighting not in ("uniform", "num_examples"):
@@ -127,7 +137,8 @@ def scaffold(
             t = _vdot(correction, y)
             return loss_fn(y, batch) + (t - jax.lax.stop_gradient(t))
 
-        result = local_train(corrected_loss, x, batches, client_optimizer)
+        result = local_train(corrected_loss, x, batches, client_optimizer,
+                             stopping=local_stopping)
         y = result.params
         if option == "I":
             c_plus = mean_gradient(loss_fn, x, batches)
@@ -146,8 +157,7 @@ def scaffold(
             lambda new, old: jnp.where(active, new - old, jnp.zeros_like(old)), c_plus, c_i
         )
         weight = active.astype(num_examples.dtype) if weighting == "uniform" else num_examples
-        stats = {"train_loss": result.loss, "local_steps": result.num_steps}
-        return ClientMessage(delta_y, weight, stats, delta_c, c_plus)
+        return ClientMessage(delta_y, weight, stopping_stats(result), delta_c, c_plus)
 
     def server_update(server: ScaffoldServer, pseudo_grad, delta_c_sum):
         updates, opt_state = server_optimizer.update(pseudo_grad, server.opt_state,
@@ -168,5 +178,6 @@ def scaffold(
         server_params=lambda server: server.params,
         aggregator=default_aggregator(aggregator),
         client_state=lambda params: jax.tree.map(jnp.zeros_like, params),
+        spread=stopping_spread(local_stopping),
     )
     return compose(pieces, num_clients)

@@ -84,13 +84,21 @@ def _options(pairs) -> str:
 
 def setting(summary: dict[str, Any] | None) -> str:
     """A run's setting in a few words, from its summary: the algorithm, then each part that
-    changes its aggregate (``+ dp gaussian (z=1, fixed)``, ``+ qsgd (s=4)``, ``+ median``,
-    ``+ attack label_flip (fraction 0.1)``); ``—`` without a summary's config."""
+    changes its aggregate (``+ eb stopping (every 5)``, ``+ dp gaussian (z=1, fixed)``,
+    ``+ qsgd (s=4)``, ``+ median``, ``+ attack label_flip (fraction 0.1)``); ``—`` without a
+    summary's config."""
     summary = summary or {}
     config = summary.get("config") or {}
     if not config:
         return "—"
     parts = [str(config.get("algorithm", "?"))]
+    client = config.get("client") or {}
+    if client.get("stopping", "none") != "none":
+        parts.append(f"{client['stopping']} stopping" + _options(
+            [("every ", client.get("stopping_every")),
+             ("threshold ", client.get("stopping_threshold")),
+             ("β=", client.get("stopping_smoothing")),
+             ("", "calibrated" if client.get("stopping_calibrated") else None)]))
     privacy = config.get("privacy")
     if privacy:
         # the z the run used (calibrated to target_epsilon if not given) is the summary's

@@ -48,6 +48,7 @@ from fedax.experiments.errors import ConfigError
 from fedax.experiments.sections import (
     AttackConfig,
     BatchSize,
+    ClientConfig,
     CompressionConfig,
     ExecutionConfig,
     LearnedLRConfig,
@@ -87,6 +88,8 @@ class Config(_Section):
     local_epochs: int = Field(ge=1)
     batch_size: BatchSize = Field(description="an integer >= 1 or inf")
     client_lr: Number = Field(gt=0, allow_inf_nan=False)
+    # local training: early stopping of each client's steps (absent: none, E epochs)
+    client: ClientConfig = ClientConfig()
     server: ServerConfig = ServerConfig()
     learned_lr: LearnedLRConfig = LearnedLRConfig()  # with server.lr: learned
     privacy: PrivacyConfig | None = None  # user-level DP (absent: none)
@@ -234,6 +237,14 @@ class Config(_Section):
         return value
 
     @model_validator(mode="after")
+    def _stopping_fits_algorithm(self) -> Config:
+        if self.client.stopping != "none" and not ALGORITHMS[self.algorithm].local_stopping:
+            able = ", ".join(n for n, s in ALGORITHMS.items() if s.local_stopping)
+            raise _KeyedError("client.stopping", f"algorithm {self.algorithm!r} has no local "
+                                                 f"training to stop early; use one of {able}")
+        return self
+
+    @model_validator(mode="after")
     def _private_combination(self) -> Config:
         refused = private_combination(self)
         if refused is not None:
@@ -257,6 +268,11 @@ def private_combination(config: Config) -> tuple[str, str] | None:
                                        "client in the privatized hypergradient); omit it")
         return None
     if p.level == "example":
+        if config.client.stopping != "none":
+            return ("client.stopping", f"{config.client.stopping!r} with privacy level "
+                                       "'example': the stopping criterion reads the raw "
+                                       "per-example gradients, a release the example-level "
+                                       "epsilon does not count; use level user or drop it")
         if not spec.example_dp:
             able = ", ".join(n for n, s in ALGORITHMS.items() if s.example_dp)
             return ("privacy.level", f"algorithm {config.algorithm!r} has no example-level "
@@ -515,10 +531,15 @@ def config_to_dict(config: Config) -> dict[str, Any]:
     """A JSON-serializable dict of ``config`` (B = inf as ``"inf"``); it validates back.
     ``learned_lr`` appears only with ``server.lr: learned`` (it applies only then), and
     ``privacy``, ``compression``, ``robust`` and ``attack`` only when given, and
-    ``per_client_eval`` only when on (configs written before it existed dump as before)."""
+    ``per_client_eval`` only when on and ``client`` only with early stopping (configs
+    written before they existed dump as before)."""
     data = config.model_dump(mode="json")
     if not config.per_client_eval:
         data.pop("per_client_eval")
+    if config.client == ClientConfig():
+        data.pop("client")
+    else:  # only the keys given (an absent key is its default)
+        data["client"] = {k: v for k, v in data["client"].items() if v is not None}
     if config.server.lr != "learned":
         data.pop("learned_lr")
     if config.privacy is None:

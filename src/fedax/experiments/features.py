@@ -106,7 +106,7 @@ class RoundTally:
         return None if self.resumed else self.sums[name]
 
 
-TALLIED = ("uplink_bytes", "attackers_in_cohort", "attackers_selected")
+TALLIED = ("uplink_bytes", "attackers_in_cohort", "attackers_selected", "local_steps_total")
 
 
 def compression_summary(config: Config, params: Any, tally: RoundTally) -> dict[str, Any]:
@@ -129,10 +129,17 @@ def compression_summary(config: Config, params: Any, tally: RoundTally) -> dict[
 
 def feature_summaries(config: Config, params: Any, attack: AttackPlan | None,
                       tally: RoundTally) -> dict[str, Any]:
-    """The ``attack`` and ``compression`` entries of ``summary.json`` (those the config
-    has): the attackers, and over the rounds run the attackers' accepted messages
-    (``attackers_in_cohort_total``) and those Krum selected; the compression's sizes."""
+    """The ``attack``, ``compression`` and ``local_stopping`` entries of ``summary.json``
+    (those the config has): the attackers, and over the rounds run the attackers' accepted
+    messages (``attackers_in_cohort_total``) and those Krum selected; the compression's
+    sizes; the stopping rule and the local steps the clients took in all."""
     out: dict[str, Any] = {}
+    rule = config.client.stopping_rule()
+    if rule is not None:
+        out["local_stopping"] = {
+            "rule": config.client.stopping, **rule._asdict(),
+            # null for a resumed run (the rounds before its checkpoint are not counted)
+            "local_steps_total": tally.total("local_steps_total")}
     if attack is not None:
         out["attack"] = {**attack.summary(),
                          "attackers_in_cohort_total": tally.total("attackers_in_cohort")}

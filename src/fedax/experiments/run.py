@@ -111,7 +111,7 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
                                client_lr=config.client_lr, server_optimizer=server.name,
                                server_lr=hyperparameters.pop("lr"), **hyperparameters,
                                aggregator=aggregator, example_privacy=example_privacy,
-                               **options)
+                               local_stopping=config.client.stopping_rule(), **options)
     if code is not None and config.compression.error_feedback:
         from fedax.algorithms.error_feedback import error_feedback
 

@@ -1,8 +1,9 @@
 """The sections of an experiment config (``fedax.experiments.config``): the server
-optimizer, the data sets', execution, the learned server lr, privacy, compression, robust
-aggregation and attacks, each a strict pydantic model that forbids unknown keys, and the
-value types they share (``Number``, ``BatchSize``). A validator's error about another key
-than its own is a ``_KeyedError`` naming that key (dotted)."""
+optimizer, the data sets', local training on the clients, execution, the learned server
+lr, privacy, compression, robust aggregation and attacks, each a strict pydantic model that
+forbids unknown keys, and the value types they share (``Number``, ``BatchSize``). A
+validator's error about another key than its own is a ``_KeyedError`` naming that key
+(dotted)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from fedax.algorithms import (
     resolve_server_optimizer,
 )
 from fedax.algorithms.server_optimizers import Hyperparameter, ResolvedServerOptimizer
+from fedax.client import EBStopping, eb_stopping
 
 
 class _KeyedError(ValueError):
@@ -181,6 +183,52 @@ class SyntheticConfig(_Section):
     alpha: Number = Field(1.0, ge=0, allow_inf_nan=False)
     beta: Number = Field(1.0, ge=0, allow_inf_nan=False)
     iid: bool = False
+
+
+class ClientConfig(_Section):
+    """Local training on the clients. ``stopping``: ``none`` (every client runs its E
+    epochs) or ``eb``: a client stops its local steps when the evidence-based criterion of
+    Mahsereci et al. (2017) says its gradient is noise, from the per-example gradients of
+    its batch, with no validation data (``fedax.client.early_stopping``;
+    docs/early-stopping.md). E stays the cap. The criterion is checked before every
+    ``stopping_every``-th step; the client stops when it exceeds ``stopping_threshold``,
+    averaged over checks with weight ``stopping_smoothing`` on the past;
+    ``stopping_calibrated`` corrects it for small batches. Each round then reports the steps
+    taken (their min, max, total and a per-client histogram) and ``stopped_early``. For the
+    algorithms whose clients run local steps (not fedsgd), and not with ``privacy.level:
+    example`` (the criterion reads the raw per-example gradients)."""
+
+    # none: E epochs; eb: the evidence-based criterion (fedax.client.early_stopping)
+    stopping: Literal["none", "eb"] = "none"
+    # check before steps m, 2m, ... (absent: 1, every step)
+    stopping_every: int | None = Field(None, ge=1)
+    # stop when the criterion exceeds it (absent: 0, the paper's); at most 1, and 1 never
+    # stops (the criterion is at most 1): the steps are reported, not cut
+    stopping_threshold: Number | None = Field(None, le=1, allow_inf_nan=False)
+    # β, the weight of earlier checks in an exponential average (absent: 0, no averaging)
+    stopping_smoothing: Number | None = Field(None, ge=0, lt=1)
+    # scale the sum by (B-3)/(B-1), which centres the criterion at 0 when the gradient is
+    # noise (absent: false, the paper's form, which averages -2/(B-3) there)
+    stopping_calibrated: bool | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClientConfig:
+        if self.stopping == "none":
+            for key in ("stopping_every", "stopping_threshold", "stopping_smoothing",
+                        "stopping_calibrated"):
+                if getattr(self, key) is not None:
+                    raise _KeyedError(f"client.{key}", "applies with client.stopping: eb only")
+        return self
+
+    def stopping_rule(self) -> EBStopping | None:
+        """The ``fedax.client.EBStopping`` of this section, or None (``stopping: none``)."""
+        if self.stopping == "none":
+            return None
+        return eb_stopping(
+            every=1 if self.stopping_every is None else self.stopping_every,
+            threshold=0.0 if self.stopping_threshold is None else self.stopping_threshold,
+            smoothing=0.0 if self.stopping_smoothing is None else self.stopping_smoothing,
+            calibrated=bool(self.stopping_calibrated))
 
 
 class ExecutionConfig(_Section):
