@@ -102,10 +102,10 @@ class Registry:
 
     def check(self, client_id: str | None, token: str | None) -> tuple[int | None, str]:
         """``(client id, "")`` if the credentials are good, else ``(None, reason)``."""
-        try:
-            cid = int(client_id) if client_id is not None else None
-        except ValueError:
-            cid = None
+        cid = None  # ASCII digits only (int() would also take "٠" for 0), not too many
+        if (client_id is not None and client_id.isascii() and client_id.isdigit()
+                and len(client_id) <= 18):
+            cid = int(client_id)
         if cid is None or token is None:
             return None, "no client id or token"
         entry = self.clients.get(cid)

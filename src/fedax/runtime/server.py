@@ -547,8 +547,9 @@ class Server:
         counter = [0]
         chunk = self.chunk_bytes.get(cid, self.config.chunk_bytes)
         timer = read_deadline(context, self.config.report_read_s)
-        try:
-            env = wire.join_chunks(request_iterator, self.config.max_message_bytes, counter,
+        try:  # raw bytes from gRPC (see gate.Gate): a piece that is no Chunk is ours to refuse
+            env = wire.join_chunks(wire.parse_chunks(request_iterator),
+                                   self.config.max_message_bytes, counter,
                                    wire.max_chunks(self.config.max_message_bytes, chunk))
         except wire.WireError as err:
             return self._reject(r, cid, err.kind, str(err))
@@ -580,7 +581,7 @@ class Server:
         if cid in r.accepted or cid in r.rejected:
             return self._reject(None, cid, "replay", f"client {cid} already reported in "
                                 f"round {r.t}.{r.attempt}")
-        if not secrets.compare_digest(nonce, r.nonces[cid]):
+        if not secrets.compare_digest(nonce.encode(), r.nonces[cid].encode()):
             return self._reject(r, cid, "replay", "the report's nonce is not the one issued "
                                 "for this round")
         return None

@@ -94,7 +94,14 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     if hashlib.sha256(body).digest() != digest:
         raise ValueError(f"{path} is truncated or corrupted (checksum differs); delete it "
                          "or restore a good copy")
-    return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    try:  # the frame's checksum is no signature: anyone can frame any body
+        payload = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as err:  # msgpack's errors, and TypeError for unhashable map keys
+        raise ValueError(f"{path} does not hold a fedax runtime payload ({err})") from None
+    if not isinstance(payload, dict):
+        raise ValueError(f"{path} does not hold a fedax runtime payload (a "
+                         f"{type(payload).__name__}, not a map)")
+    return payload
 
 
 def kept_paths(path: str | os.PathLike[str], keep: int) -> list[Path]:

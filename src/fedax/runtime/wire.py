@@ -270,6 +270,17 @@ def max_chunks(max_bytes: int, chunk_bytes: int) -> int:
     return 16 * (max(int(max_bytes), 1) // max(int(chunk_bytes), 1) + 1)
 
 
+def parse_chunks(raw: Iterable[bytes]) -> Iterator:
+    """``Chunk``s from the raw request messages of a stream; a message that does not parse
+    is a ``malformed`` ``WireError`` (raised when it is reached)."""
+    for data in raw:
+        try:
+            yield Chunk.FromString(data)
+        except Exception as err:  # protobuf's DecodeError, whatever its module
+            raise WireError("malformed", f"a piece of the stream is not a Chunk: {err}") \
+                from None
+
+
 def join_chunks(stream: Iterable, max_bytes: int, counter: list[int] | None = None,
                 limit_chunks: int | None = None) -> Any:
     """The ``Envelope`` carried by a stream of ``Chunk``s, read up to ``max_bytes``.
