@@ -183,12 +183,12 @@ def _reap(server, children, tmp) -> None:
 
 
 def bench(population: int, cohort: int, over_selection: float, rounds: int, warmup: int,
-          poll_interval_s: float, processes: int) -> dict:
+          poll_interval_s: float, processes: int, max_workers: int = 512) -> dict:
     import numpy as np
 
     server, children, tmp = _serve(population, dict(
         rounds=warmup + rounds, cohort_size=cohort, over_selection=over_selection,
-        deadline_s=60, poll_interval_s=poll_interval_s, max_workers=64), processes)
+        deadline_s=60, poll_interval_s=poll_interval_s, max_workers=max_workers), processes)
     try:
         while len(server.history) < warmup:
             if server._error is not None:
@@ -218,12 +218,13 @@ def bench(population: int, cohort: int, over_selection: float, rounds: int, warm
     return row
 
 
-def idle(population: int, seconds: float, poll_interval_s: float, processes: int) -> dict:
+def idle(population: int, seconds: float, poll_interval_s: float, processes: int,
+         max_workers: int = 512) -> dict:
     """Server CPU per idle client per second: every client connected and polling, no round
     opens (``min_clients`` above the population)."""
     server, children, tmp = _serve(population, dict(
         rounds=1, cohort_size=1, min_clients=population + 1, deadline_s=60,
-        poll_interval_s=poll_interval_s, max_workers=64), processes)
+        poll_interval_s=poll_interval_s, max_workers=max_workers), processes)
     try:
         end = time.monotonic() + 120
         while len(server._alive()) < population and time.monotonic() < end:
@@ -243,14 +244,14 @@ def idle(population: int, seconds: float, poll_interval_s: float, processes: int
 
 def measure(args) -> dict:
     out = {"cross_silo": [bench(int(n), int(n), 0.0, args.rounds, args.warmup,
-                                args.poll_interval_s, args.processes)
+                                args.poll_interval_s, args.processes, args.max_workers)
                           for n in args.clients.split(",") if n]}
     if args.population:
         out["cross_device"] = bench(args.population, args.cohort, args.over_selection,
                                     args.device_rounds, args.warmup, args.poll_interval_s,
-                                    args.processes)
+                                    args.processes, args.max_workers)
         out["idle"] = idle(args.population, args.idle_s, args.poll_interval_s,
-                           args.processes)
+                           args.processes, args.max_workers)
     return out
 
 
@@ -275,6 +276,8 @@ def baseline(rev: str, argv: list[str]) -> dict:
 def _print(name: str, out: dict) -> None:
     print(f"== {name}")
     for r in out["cross_silo"]:
+        if "overhead_down" not in r:
+            continue
         print(f"cross-silo {r['population']:>5} clients: {r['rounds_per_s']:.2f} rounds/s, "
               f"round {r['median_round_s']:.3f} s, server CPU "
               f"{r['server_cpu_ms_per_client_round']:.2f} ms/client/round, down "
@@ -311,6 +314,8 @@ def main() -> None:
     parser.add_argument("--device-rounds", type=int, default=3)
     parser.add_argument("--idle-s", type=float, default=5.0)
     parser.add_argument("--processes", type=int, default=4, help="stub processes")
+    parser.add_argument("--max-workers", type=int, default=512,
+                        help="the server's handler threads (half of them may hold polls)")
     parser.add_argument("--poll-interval-s", type=float, default=0.5)
     parser.add_argument("--baseline", help="a git revision to measure in the same run")
     parser.add_argument("--measure-only", help=argparse.SUPPRESS)

@@ -321,10 +321,12 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     start.add_argument("--max-attempts", type=int, default=10)
     start.add_argument("--poll-interval-s", type=float, default=0.5,
                        help="how often a client whose poll is not held polls again")
-    start.add_argument("--poll-hold-s", type=float, default=5.0,
+    start.add_argument("--poll-hold-s", type=float, default=20.0,
                        help="hold an idle client's poll open this long, waiting for its "
                             "task (long poll; 0: answer at once)")
-    start.add_argument("--liveness-s", type=float, default=10.0)
+    start.add_argument("--liveness-s", type=float, default=30.0,
+                       help="a client that has not polled for this long (and whose poll is "
+                            "not held) is not selected")
     start.add_argument("--max-message-mb", type=float, default=256.0)
     start.add_argument("--chunk-kb", type=float, default=1024.0,
                        help="largest piece of a streamed message, 1 to 65536 (a client may "

@@ -26,8 +26,8 @@ class ServerConfig:
       poll_interval_s: how long an idle client waits between polls (sent to clients)
         when its poll is not held.
       poll_hold_s: how long the server holds an idle client's poll open, waiting for its
-        task (long poll; at most half of ``liveness_s``), while fewer than half of
-        ``max_workers`` polls are held.
+        task (long poll; at most 80% of the caller's own deadline), while fewer than half
+        of ``max_workers`` polls are held; a client whose poll is held counts as alive.
       max_idle_polls_per_s: the idle polls the server invites per second, all clients
         together: a poll it does not hold is told to come back after
         ``max(poll_interval_s, alive clients / this)`` seconds (at most half of
@@ -39,7 +39,8 @@ class ServerConfig:
         message); a client may ask for smaller pieces at Join.
       checkpoint_dir: where the checkpoint (after every round) and ``rounds.jsonl`` go.
       keep_checkpoints: how many checkpoints are kept (the newest and the ones before).
-      max_workers: gRPC handler threads.
+      max_workers: gRPC handler threads (half of them may hold idle polls; a held poll
+        waits on a condition and costs no CPU).
       max_concurrent_rpcs: calls beyond this many are refused (``RESOURCE_EXHAUSTED``)
         before they take a thread.
       per_client_calls: open calls one client may have at once.
@@ -57,14 +58,14 @@ class ServerConfig:
     deadline_s: float = 60.0
     max_attempts: int = 10
     poll_interval_s: float = 0.5
-    poll_hold_s: float = 5.0
-    max_idle_polls_per_s: float = 500.0
-    liveness_s: float = 10.0
+    poll_hold_s: float = 20.0
+    max_idle_polls_per_s: float = 200.0
+    liveness_s: float = 30.0
     max_message_bytes: int = 256 << 20
     chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
     checkpoint_dir: str | None = None
     keep_checkpoints: int = 3
-    max_workers: int = 64
+    max_workers: int = 512
     max_concurrent_rpcs: int = 4096
     per_client_calls: int = 4
     max_concurrent_reports: int = 16

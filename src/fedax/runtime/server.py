@@ -45,6 +45,7 @@ so a round reaches its clients as soon as it opens.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -154,6 +155,7 @@ class Server:
         self._lock = threading.Condition()
         self._news = threading.Condition()  # a round opened or closed, or the run ended
         self._held = 0  # polls held open (long poll)
+        self._holding: collections.Counter[int] = collections.Counter()  # whose, alive
         self._readers = threading.BoundedSemaphore(config.max_concurrent_reports)
         self._round: _Round | None = None
         self._last_closed: _Round | None = None  # its late reports are not violations
@@ -282,9 +284,10 @@ class Server:
     # --------------------------------------------------------------------- rounds
 
     def _alive(self) -> list[int]:
+        """Clients that polled within ``liveness_s`` or whose poll is held now."""
         now = time.monotonic()
-        return sorted(c for c, seen in self.last_seen.items()
-                      if now - seen <= self.config.liveness_s)
+        return sorted({c for c, seen in self.last_seen.items()
+                       if now - seen <= self.config.liveness_s} | set(self._holding))
 
     def _selection_rng(self, t: int, attempt: int) -> np.random.Generator:
         words = np.frombuffer(hashlib.sha256(self._secret + b"selection").digest(), np.uint32)
@@ -485,7 +488,7 @@ class Server:
     def _rpc_poll(self, request_iterator, context, cid):
         cfg = self.config
         remaining = context.time_remaining()  # the caller's own deadline, if it set one
-        hold = min(cfg.poll_hold_s, cfg.liveness_s / 2,
+        hold = min(cfg.poll_hold_s,
                    math.inf if remaining is None else remaining * 0.8 - 0.2)
         with self._lock:
             self.last_seen[cid] = time.monotonic()
@@ -495,6 +498,7 @@ class Server:
             held = idle and hold > 0 and self._held < cfg.max_workers // 2
             if held:
                 self._held += 1
+                self._holding[cid] += 1
         if held:  # long poll: wait for news (a round opening, the end), not for time
             end = time.monotonic() + hold
             try:
@@ -511,6 +515,9 @@ class Server:
             finally:
                 with self._lock:
                     self._held -= 1
+                    self._holding[cid] -= 1
+                    if self._holding[cid] <= 0:
+                        del self._holding[cid]
                     self.last_seen[cid] = time.monotonic()
         with self._lock:
             if data is None:
