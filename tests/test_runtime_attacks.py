@@ -482,3 +482,17 @@ def test_the_last_checkpoints_are_kept_and_a_damaged_one_falls_back(pki, tmp_pat
     resumed = Server(task, ServerConfig(rounds=5, cohort_size=2, checkpoint_dir=str(ckpt)),
                      server.tls, server.registry, resume=True)
     assert resumed.rounds_done == 3 and resumed._secret == server._secret
+
+
+def test_the_round_log_is_strict_json(pki, tmp_path):
+    """A non-finite metric (a diverged round) is written as null, not NaN."""
+    from fedax.runtime import Registry, ServerTLS
+    from fedax.runtime.server import ROUND_LOG
+
+    server = Server(make_task(), ServerConfig(rounds=1, cohort_size=1,
+                                              checkpoint_dir=str(tmp_path)),
+                    ServerTLS(pki["cert"], pki["key"]), Registry.load(pki["registry"]))
+    server._log({"round": 0, "train_loss": float("nan"), "accuracy": np.float32(np.inf)})
+    line = (tmp_path / ROUND_LOG).read_text().strip()
+    assert json.loads(line) == {"round": 0, "train_loss": None, "accuracy": None}
+    assert "NaN" not in line and "Infinity" not in line

@@ -7,11 +7,20 @@ Every algorithm takes ``aggregator=`` (default ``mean()``, FedAvg's weighted mea
 the aggregator's state in its own state; the aggregator's metrics are round metrics.
 """
 
-from fedax.aggregators.base import Aggregator, aggregate, chain, no_state
+from fedax.aggregators.base import (
+    Aggregator,
+    aggregate,
+    chain,
+    client_stage,
+    no_state,
+    reduce_stage,
+    round_keys,
+)
 from fedax.aggregators.clipping import clip_norm
 from fedax.aggregators.mean import mean, total
 
-__all__ = ["Aggregator", "aggregate", "chain", "clip_norm", "mean", "no_state", "total"]
+__all__ = ["Aggregator", "aggregate", "chain", "client_stage", "clip_norm", "mean",
+           "no_state", "reduce_stage", "round_keys", "total"]
 
 # User-level differential privacy (DP-FedAvg): fixed clip, adaptive quantile clip, AdaCliP.
 from fedax.aggregators.adaclip import AdaClipState, adaclip, adaclip_scale  # noqa: E402

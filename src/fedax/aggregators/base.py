@@ -79,55 +79,87 @@ def _fold(key: jax.Array | None, i: int) -> jax.Array | None:
     return None if key is None else jax.random.fold_in(key, i)
 
 
-def aggregate(
-    aggregator: Aggregator, values: Any, weights: jax.Array, state: Any, key: jax.Array,
-    keep: jax.Array | None = None,
+def client_stage(
+    aggregator: Aggregator, values: Any, weights: jax.Array, state: Any,
+    client_keys: jax.Array | None, keep: jax.Array | None = None,
+) -> tuple[Any, jax.Array, Any]:
+    """The client stage of ``aggregator`` on client-placed ``values`` with ``weights [C]``:
+    inside ``map_clients``, with the state broadcast and client i's key
+    ``client_keys[i]`` (raw key data; None: no keys). Returns ``(values, weights,
+    stats)`` with ``stats`` summed (``fed.sum``) over the clients where ``keep`` is True
+    (default: all); without a client stage, the inputs and None."""
+    if aggregator.client is None:
+        return values, weights, None
+    num_clients = weights.shape[0]
+    # The state goes down with a broadcast; a stateless aggregator's () has nothing to
+    # send (and a placement needs an array leaf), so it is closed over instead.
+    stateful = bool(jax.tree.leaves(state))
+    at_clients = (fed.broadcast(state, num_clients),) if stateful else ()
+
+    def with_state(client_state):
+        return client_state[0] if stateful else state
+
+    if client_keys is None:
+        values, weights, stats = fed.map_clients(
+            lambda v, w, *s: aggregator.client(v, w, with_state(s), None),
+            values, weights, *at_clients)
+    else:
+        def one(value, weight, raw_key, *client_state):
+            return aggregator.client(value, weight, with_state(client_state),
+                                     jax.random.wrap_key_data(raw_key))
+
+        values, weights, stats = fed.map_clients(one, values, weights, client_keys,
+                                                 *at_clients)
+    if keep is not None:
+        stats = jax.tree.map(
+            lambda s: jnp.where(keep.reshape(keep.shape + (1,) * (s.ndim - 1)), s,
+                                jnp.zeros((), s.dtype)), stats)
+    stats = fed.sum(stats) if jax.tree.leaves(stats) else stats
+    return values, weights, stats
+
+
+def reduce_stage(
+    aggregator: Aggregator, values: Any, weights: jax.Array, stats: Any, state: Any,
+    reduce_key: jax.Array | None, server_key: jax.Array | None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
-    """Run a complete ``aggregator`` on client-placed ``values`` with ``weights [C]``.
-
-    The client stage runs inside ``map_clients`` with the state broadcast and a key per
-    client; its ``stats`` are summed over the clients where ``keep`` is True (default: all)
-    with ``fed.sum``. Returns ``(value, state, metrics)``, ``value`` server-placed.
-    """
-    if aggregator.reduce is None:
-        raise ValueError(
-            "this aggregator has no reduction (it is a stage): chain it with one, e.g. "
-            "fedax.aggregators.chain(stage, fedax.aggregators.mean())."
-        )
-    client_key, reduce_key, server_key = _split(key, 3)
-    stats = None
-    if aggregator.client is not None:
-        num_clients = weights.shape[0]
-        # The state goes down with a broadcast; a stateless aggregator's () has nothing to
-        # send (and a placement needs an array leaf), so it is closed over instead.
-        stateful = bool(jax.tree.leaves(state))
-        at_clients = (fed.broadcast(state, num_clients),) if stateful else ()
-
-        def with_state(client_state):
-            return client_state[0] if stateful else state
-
-        if key is None:
-            values, weights, stats = fed.map_clients(
-                lambda v, w, *s: aggregator.client(v, w, with_state(s), None),
-                values, weights, *at_clients)
-        else:
-            def one(value, weight, raw_key, *client_state):
-                return aggregator.client(value, weight, with_state(client_state),
-                                         jax.random.wrap_key_data(raw_key))
-
-            values, weights, stats = fed.map_clients(
-                one, values, weights, _client_keys(client_key, num_clients), *at_clients)
-        if keep is not None:
-            stats = jax.tree.map(
-                lambda s: jnp.where(keep.reshape(keep.shape + (1,) * (s.ndim - 1)), s,
-                                    jnp.zeros((), s.dtype)), stats)
-        stats = fed.sum(stats) if jax.tree.leaves(stats) else stats
+    """The reduction and server stage of ``aggregator`` after its client stage (``stats``:
+    the summed client-stage stats). Returns ``(value, state, metrics)``."""
     value, metrics = aggregator.reduce(values, weights, state, reduce_key)
     metrics = dict(metrics)
     if aggregator.server is not None:
         value, state, more = aggregator.server(value, stats, state, server_key)
         metrics = _merge(metrics, more)
     return value, state, metrics
+
+
+def round_keys(key: jax.Array | None, num_clients: int):
+    """``(client_keys [C] raw or None, reduce_key, server_key)`` of an aggregator from the
+    round's ``key``: ``split(key, 3)``, the first split again into one key per client.
+    Every engine derives them here (the simulator, FedBuff, the networked server)."""
+    client_key, reduce_key, server_key = _split(key, 3)
+    client_keys = None if client_key is None else _client_keys(client_key, num_clients)
+    return client_keys, reduce_key, server_key
+
+
+def aggregate(
+    aggregator: Aggregator, values: Any, weights: jax.Array, state: Any, key: jax.Array,
+    keep: jax.Array | None = None,
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """Run a complete ``aggregator`` on client-placed ``values`` with ``weights [C]``:
+    ``client_stage`` with the keys of ``round_keys``, then ``reduce_stage``. Returns
+    ``(value, state, metrics)``, ``value`` server-placed.
+    """
+    if aggregator.reduce is None:
+        raise ValueError(
+            "this aggregator has no reduction (it is a stage): chain it with one, e.g. "
+            "fedax.aggregators.chain(stage, fedax.aggregators.mean())."
+        )
+    client_keys, reduce_key, server_key = round_keys(key, weights.shape[0])
+    if aggregator.client is None:
+        client_keys = None  # split nothing more than before (same keys downstream)
+    values, weights, stats = client_stage(aggregator, values, weights, state, client_keys,
+                                          keep)
+    return reduce_stage(aggregator, values, weights, stats, state, reduce_key, server_key)
 
 
 def _merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

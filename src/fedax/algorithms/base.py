@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from fedax import federated as fed
-from fedax.aggregators import Aggregator, aggregate, mean
+from fedax.aggregators import Aggregator, client_stage, mean, reduce_stage, round_keys
 from fedax.client import Batches, LossFn, decoded
 
 
@@ -292,6 +292,45 @@ def _merge(*dicts: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def server_half(
+    pieces: RoundPieces, state: RoundState, updates: Any, weights: jax.Array,
+    stats: dict[str, jax.Array], sums: Any, counted: jax.Array, key: jax.Array | None,
+    keep: jax.Array | None = None, *, client_keys: jax.Array | None = None,
+    staged: bool = False, staged_stats: Any = None,
+    extra_metrics: dict[str, jax.Array] | None = None,
+) -> tuple[RoundState, dict[str, jax.Array]]:
+    """The server's half of a round, from the accepted clients' client-placed messages
+    (leading axis C; a client left out has weight 0 and zero values) to the new state and
+    the round's metrics. Every engine runs this one function: ``cohort_round`` (the
+    simulator), the networked server (``fedax.runtime``) and FedBuff's flush.
+
+    The aggregator's client stage on each client (``client_keys [C]``, raw key data;
+    default ``round_keys(key, C)``'s; its stats summed over ``keep``), unless the caller
+    ran it already (``staged``, with the summed stats ``staged_stats``: FedBuff, at each
+    update's computation); then its reduction and server stage; the federated sum of the exact
+    ``sums``; the algorithm's ``server_update``. ``stats`` become n_k-weighted means with
+    weights ``counted`` (0 for a client left out). Metrics: the stats, ``extra_metrics``,
+    the aggregator's and the server update's (a name twice is an error)."""
+    num_clients = weights.shape[0]
+    default_keys, reduce_key, server_key = round_keys(key, num_clients)
+    aggregator = pieces.aggregator
+    if not staged:
+        keys = None
+        if aggregator.client is not None:
+            keys = default_keys if client_keys is None else client_keys
+        updates, weights, staged_stats = client_stage(aggregator, updates, weights,
+                                                      state.aggregator, keys, keep)
+    value, aggregator_state, aggregator_metrics = reduce_stage(
+        aggregator, updates, weights, staged_stats, state.aggregator, reduce_key,
+        server_key)
+    if jax.tree.leaves(sums):
+        sums = fed.sum(sums)
+    server, server_metrics = pieces.server_update(state.server, value, sums)
+    means = {name: fed.weighted_mean(s, counted) for name, s in stats.items()}
+    metrics = _merge(means, extra_metrics or {}, aggregator_metrics, server_metrics)
+    return RoundState(server, aggregator_state, state.clients, state.round + 1), metrics
+
+
 def cohort_round(
     pieces: RoundPieces, state: RoundState, cohort: CohortBatches, key: jax.Array,
     client_states: Any = None,
@@ -338,20 +377,17 @@ def cohort_round(
     accepted = accept_finite(
         (message.update, message.stats, message.sums, message.client_state), weights,
         cohort.num_examples)
-    value, aggregator_state, aggregator_metrics = aggregate(
-        pieces.aggregator, keep_clients(message.update, accepted.finite), accepted.weights,
-        state.aggregator, key, keep=accepted.finite)
     sums = message.sums
     if jax.tree.leaves(sums):
-        sums = fed.sum(keep_clients(sums, accepted.finite))
-    server, server_metrics = pieces.server_update(state.server, value, sums)
+        sums = keep_clients(sums, accepted.finite)
     counted = jnp.where(accepted.finite, cohort.num_examples, 0.0)
-    stats = {name: fed.weighted_mean(s, counted) for name, s in message.stats.items()}
-    metrics = _merge(stats, {"rejected_clients": accepted.rejected}, aggregator_metrics,
-                     server_metrics,
-                     spread_metrics(message.stats, pieces.spread, cohort.num_examples))
+    new_state, metrics = server_half(
+        pieces, state, keep_clients(message.update, accepted.finite), accepted.weights,
+        message.stats, sums, counted, key, accepted.finite,
+        extra_metrics={"rejected_clients": accepted.rejected})
+    metrics = _merge(metrics, spread_metrics(message.stats, pieces.spread,
+                                             cohort.num_examples))
     written = jnp.logical_and(cohort.num_examples > 0, accepted.finite)
-    new_state = RoundState(server, aggregator_state, state.clients, state.round + 1)
     return new_state, metrics, message.client_state, written
 
 

@@ -143,14 +143,16 @@ def scaffold(
         if option == "I":
             c_plus = mean_gradient(loss_fn, x, batches)
         else:
-            scale = jnp.maximum(result.num_steps, 1.0) * client_lr
-            c_plus = jax.tree.map(
-                lambda ci, cs, xs, ys: ci - cs + (xs - ys) / scale.astype(xs.dtype),
-                c_i,
-                c,
-                x,
-                y,
-            )
+            steps = jnp.maximum(result.num_steps, 1)  # K_i, a whole number
+
+            def c_plus_leaf(ci, cs, xs, ys):
+                # K_i·η_l in the leaf's dtype (at least float32): a float64 run divides by
+                # the float64 product, as a float64 Algorithm 1 does
+                dtype = jnp.promote_types(xs.dtype, jnp.float32)
+                scale = steps.astype(dtype) * jnp.asarray(client_lr, dtype)
+                return ci - cs + (xs - ys) / scale.astype(xs.dtype)
+
+            c_plus = jax.tree.map(c_plus_leaf, c_i, c, x, y)
         delta_y = jax.tree.map(jnp.subtract, x, y)  # server − client: the pseudo-gradient
         # Only participating clients report a control change (padding reports zero).
         delta_c = jax.tree.map(

@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedax.algorithms.records import dumps, strict_json
 from fedax.runtime import store, wire
 from fedax.runtime.checks import ReportChecks
 from fedax.runtime.config import ServerConfig
@@ -423,12 +424,13 @@ class Server:
 
     def _log(self, record: dict[str, Any]) -> None:
         self.records.append(record)
-        log.info("round %s", json.dumps(record))
+        line = dumps(strict_json(record)[0])  # strict JSON: a NaN/inf metric is null
+        log.info("round %s", line)
         if self.config.checkpoint_dir is not None:
             path = Path(self.config.checkpoint_dir) / ROUND_LOG
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(line + "\n")
 
     def _reject(self, r: _Round | None, cid: int, kind: str, reason: str) -> Any:
         self._refusals.warning(f"report-{kind}", "rejected a report from client %d: %s: %s",

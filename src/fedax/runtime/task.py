@@ -44,8 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedax import federated as fed
+from fedax.aggregators import round_keys
 from fedax.algorithms import ALGORITHMS, RoundPieces, RoundState, init_state
+from fedax.algorithms.base import server_half
 from fedax.client import Batches
 from fedax.models import get_model, softmax_cross_entropy
 
@@ -300,9 +301,9 @@ def key_from_secret(secret: bytes) -> jax.Array:
 
 
 def aggregator_client_keys(key: jax.Array, num_selected: int) -> jax.Array:
-    """``[C, ...]`` raw key data of the selected clients' aggregator client stages."""
-    client_key = jax.random.split(key, 3)[0]
-    return jax.random.key_data(jax.random.split(client_key, num_selected))
+    """``[C, ...]`` raw key data of the selected clients' aggregator client stages
+    (``fedax.aggregators.round_keys``, as every engine derives them)."""
+    return round_keys(key, num_selected)[0]
 
 
 def client_step(pieces: RoundPieces, payload: Any, client_state: Any, batches: Batches,
@@ -321,43 +322,18 @@ def server_step(pieces: RoundPieces, state: RoundState, reports: Report,
                 client_keys: jax.Array, real: jax.Array,
                 key: jax.Array) -> tuple[RoundState, dict[str, jax.Array]]:
     """The server's half of round ``state.round`` on the accepted reports (client-placed:
-    leading axis C; padding rows, ``real`` False, have weight 0 and zeros). Mirrors
-    ``cohort_round`` after its ``map_clients``, with the finite and bounds checks done per
-    report before this call: ``reweigh``, the aggregator's client stage on each report
-    with its key (``client_keys[i]``, raw key data; its stats summed over the real rows),
-    ``reduce``, ``server``, the sums and the server update."""
-    _, reduce_key, server_key = jax.random.split(key, 3)
-    aggregator = pieces.aggregator
-    updates, weights = reports.update, reports.weight
+    leading axis C; padding rows, ``real`` False, have weight 0 and zeros), with the
+    finite and bounds checks done per report before this call: ``reweigh``, then
+    ``fedax.algorithms.server_half``, the function the simulator's round runs, with the
+    aggregator's client stage on each report and its key ``client_keys[i]`` (raw key
+    data, the i-th selected client's of ``round_keys``)."""
+    weights = reports.weight
     if pieces.reweigh is not None:  # before the aggregator, as in ``cohort_round``
         weights = pieces.reweigh(weights, reports.stats)
-    stats = None
-    if aggregator.client is not None:
-        def one(update, weight, raw_key):
-            return aggregator.client(update, weight, state.aggregator,
-                                     jax.random.wrap_key_data(raw_key))
-
-        updates, weights, stats = jax.vmap(one)(updates, weights, client_keys)
-        keep = real.astype(jnp.int32)
-        stats = jax.tree.map(
-            lambda s: (s * keep.reshape(-1, *([1] * (s.ndim - 1))).astype(s.dtype)), stats)
-    value, metrics = aggregator.reduce(updates, weights, state.aggregator, reduce_key)
-    metrics = dict(metrics)
-    aggregator_state = state.aggregator
-    if aggregator.server is not None:
-        if stats is not None:
-            stats = fed.sum(stats) if jax.tree.leaves(stats) else stats
-        value, aggregator_state, more = aggregator.server(value, stats, state.aggregator,
-                                                          server_key)
-        metrics.update(more)
-    sums = reports.sums
-    if jax.tree.leaves(sums):
-        sums = fed.sum(sums)
-    server, server_metrics = pieces.server_update(state.server, value, sums)
-    counted = reports.num_examples
-    client_stats = {name: fed.weighted_mean(s, counted) for name, s in reports.stats.items()}
-    metrics = {**client_stats, **metrics, **server_metrics}
-    return RoundState(server, aggregator_state, None, state.round + 1), metrics
+    new_state, metrics = server_half(pieces, state, reports.update, weights, reports.stats,
+                                     reports.sums, reports.num_examples, key, real,
+                                     client_keys=client_keys)
+    return new_state._replace(clients=None), metrics
 
 
 def payload_template(pieces: RoundPieces, params: Any) -> Any:

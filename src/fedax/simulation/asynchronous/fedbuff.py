@@ -77,7 +77,7 @@ import numpy as np
 
 from fedax import federated as fed
 from fedax.algorithms import FederatedAlgorithm, RoundPieces, RoundState, init_state
-from fedax.algorithms.base import client_finite, keep_clients
+from fedax.algorithms.base import client_finite, keep_clients, server_half
 from fedax.simulation import checkpoint as ckpt
 from fedax.simulation.asynchronous.clock import Latency, Staleness, block_durations
 from fedax.simulation.execution import Execution, choose_execution, use_execution
@@ -429,29 +429,20 @@ def run_async(
             values = jax.tree.map(
                 lambda v: v * scale.reshape((k,) + (1,) * (v.ndim - 1)).astype(v.dtype),
                 values)
-        _, reduce_key, server_key = jax.random.split(key, 3)
-        value, metrics = aggregator.reduce(values, weights, state.aggregator, reduce_key)
-        metrics = dict(metrics)
-        aggregator_state = state.aggregator
-        if aggregator.server is not None:
+        stats = None
+        if aggregator.client is not None:  # ran at each update's computation (``compute``)
             stats = jax.tree.map(take, pool.aggregator_stats)
             stats = fed.sum(stats) if jax.tree.leaves(stats) else None
-            value, aggregator_state, more = aggregator.server(value, stats, aggregator_state,
-                                                              server_key)
-            metrics.update(more)
         sums = jax.tree.map(take, pool.sums)
-        if jax.tree.leaves(sums):
-            sums = fed.sum(sums)
-        server, server_metrics = pieces.server_update(state.server, value, sums)
-        metrics.update(server_metrics)
-        for name, s in pool.stats.items():
-            metrics[name] = fed.weighted_mean(take(s), num_examples)
+        state, metrics = server_half(
+            pieces, state, values, weights, {n: take(s) for n, s in pool.stats.items()},
+            sums, num_examples, key, staged=True, staged_stats=stats)
         metrics["mean_staleness_weight"] = jnp.mean(scale)
-        new_params = pieces.server_params(server)
+        new_params = pieces.server_params(state.server)
         metrics["server_finite"] = jnp.all(jnp.stack([
             jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(new_params)
             if jnp.issubdtype(leaf.dtype, jnp.inexact)]))
-        return RoundState(server, aggregator_state, None, state.round + 1), metrics
+        return state, metrics
 
     # ---------------------------------------------------------------- host clock
 
