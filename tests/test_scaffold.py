@@ -76,14 +76,15 @@ def np_scaffold_round(x, c, c_all, ids, clients, perms, batch_size, lr, lr_g, op
 # ---- cohorts ------------------------------------------------------------------------------
 
 
-def build_cohort(clients, ids, perms, batch_size, num_steps, pad_clients=0):
+def build_cohort(clients, ids, perms, batch_size, num_steps, pad_clients=0, dtype=np.float32):
     """Cohort of the given client ids (epochs per perms[i]); ``pad_clients`` empty clients
-    (all-zero masks, n = 0, id 0) appended, as the runner pads."""
+    (all-zero masks, n = 0, id 0) appended, as the runner pads. Features, masks and counts
+    in ``dtype``."""
     c = len(ids) + pad_clients
-    x = np.zeros((c, num_steps, batch_size, D), np.float32)
+    x = np.zeros((c, num_steps, batch_size, D), dtype)
     y = np.zeros((c, num_steps, batch_size), np.int32)
-    m = np.zeros((c, num_steps, batch_size), np.float32)
-    n = np.zeros(c, np.float32)
+    m = np.zeros((c, num_steps, batch_size), dtype)
+    n = np.zeros(c, dtype)
     for k, i in enumerate(ids):
         cx, cy = clients[i]
         step = 0
@@ -158,6 +159,37 @@ def test_two_rounds_partial_cohort_match_numpy_algorithm_1(problem, option, map_
     assert int(state.round) == 2
     # the invariant c = (1/N) Σ_i c_i holds (all zero at init)
     np.testing.assert_allclose(flat(state.server.control), flat(state.clients).mean(0), atol=1e-6)
+
+
+def test_float64_rounds_equal_numpy_algorithm_1_option_ii(problem):
+    """In a float64 run every number of Option II is float64, K_i·η_l included: two rounds
+    with a partial cohort equal the float64 NumPy reference to 1e-12 (a float32 K_i·η_l is
+    off by ~3e-8 in c_i)."""
+    rng, sizes, clients, theta0 = problem
+    lr, lr_g, batch_size, num_steps = 0.1, 0.7, 3, 7  # 0.1 and 0.7: not exact in float32
+    rounds = [(np.array([1, 3]), [2, 1]), (np.array([3, 0]), [1, 2])]
+    x, c, c_all = theta0.copy(), np.zeros_like(theta0), np.zeros((N, theta0.size))
+    with jax.enable_x64(True):
+        alg = scaffold(loss_fn, lr, N, option="II", server_optimizer=optax.sgd(lr_g))
+        w, b = unflat(theta0)
+        params = {"w": jnp.asarray(w, jnp.float64), "b": jnp.asarray(b, jnp.float64)}
+        state = alg.init(params, None)
+        round_fn = jax.jit(alg.round)
+        for ids, epochs in rounds:
+            perms = {i: [rng.permutation(sizes[i]) for _ in range(e)]
+                     for i, e in zip(ids, epochs, strict=True)}
+            x, c, c_all = np_scaffold_round(
+                x, c, c_all, ids, clients, perms, batch_size, lr, lr_g, "II")
+            cohort = build_cohort(clients, ids, perms, batch_size, num_steps, pad_clients=1,
+                                  dtype=np.float64)
+            state, _ = round_fn(state, cohort, None)
+
+            assert all(leaf.dtype == jnp.float64 for leaf in jax.tree.leaves(
+                (state.server.params, state.server.control, state.clients)))
+            np.testing.assert_allclose(flat(state.server.params), x, rtol=0, atol=1e-12)
+            np.testing.assert_allclose(flat(state.server.control), c, rtol=0, atol=1e-12)
+            np.testing.assert_allclose(flat(state.clients), c_all, rtol=0, atol=1e-12)
+    assert np.abs(c_all[[0, 1, 3]]).min() > 1e-3  # the c_i compared are not ~0
 
 
 def test_zero_controls_one_round_is_fedavg_with_plain_mean(problem):

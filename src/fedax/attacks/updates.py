@@ -43,6 +43,9 @@ from fedax import federated as fed
 from fedax.attacks.selection import attacker_table
 
 Adversary = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[Any, jax.Array]]
+"""``adversary(updates, weights, client_ids, key) -> (updates, weights)``: the cohort's
+client-placed updates and weights after local training, as the server would see them
+(``RoundPieces.adversary``); it carries its attackers' population ids as ``attackers``."""
 
 
 def alie_z(n: Any, f: Any) -> Any:

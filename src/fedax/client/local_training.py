@@ -69,10 +69,14 @@ def steps_strategy(strategy: StepsStrategy) -> Iterator[None]:
 
 
 def current_steps_strategy() -> StepsStrategy:
+    """The local-steps strategy in effect here: ``"scan"`` or ``"unroll"`` (``steps_strategy``)."""
     return _STEPS.value
 
 
 class LocalResult(NamedTuple):
+    """What ``local_train`` returns: the client's params after its local steps and how it
+    got there."""
+
     params: Any
     loss: jax.Array  # mean training loss over the real steps (before each step's update)
     num_steps: jax.Array  # number of real (unmasked) steps taken

@@ -18,8 +18,8 @@ import numpy as np
 if TYPE_CHECKING:
     import jax
 
-# Code k -> float32(k) / float32(255): 8-bit image data as the loaders scale it.
 BYTE_SCALE_TABLE = np.arange(256, dtype=np.float32) / np.float32(255.0)
+"""Code k -> float32(k) / float32(255): 8-bit image data as the loaders scale it."""
 
 
 class ByteCoded(NamedTuple):

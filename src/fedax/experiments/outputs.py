@@ -12,8 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from fedax.algorithms.records import dumps, strict_json
 from fedax.experiments.config import (
     Config,
     config_to_dict,
@@ -26,31 +25,12 @@ from fedax.simulation import (
 # A directory holding any of these holds a run (``checkpoints`` is a directory).
 RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")
 
-def strict_json(value: Any) -> tuple[Any, bool]:
-    """``value`` with every non-finite float (NaN, inf) replaced by None, and whether there
-    was one; dicts, lists and tuples are walked."""
-    if isinstance(value, (float, np.floating)):
-        return (float(value), False) if math.isfinite(value) else (None, True)
-    if isinstance(value, dict):
-        items = {k: strict_json(v) for k, v in value.items()}
-        return {k: v for k, (v, _) in items.items()}, any(bad for _, bad in items.values())
-    if isinstance(value, (list, tuple)):
-        items = [strict_json(v) for v in value]
-        return [v for v, _ in items], any(bad for _, bad in items)
-    return value, False
-
-
 def with_status(record: dict[str, Any]) -> dict[str, Any]:
     """``record`` as strict JSON data with a ``status``: "diverged" when a value is not
     finite (it becomes null), else "ok" (a status already "diverged" stays so)."""
     clean, bad = strict_json(record)
     diverged = bad or record.get("status") == "diverged"
     return {**clean, "status": "diverged" if diverged else "ok"}
-
-
-def dumps(value: Any, **kwargs: Any) -> str:
-    """JSON text of ``value``; a non-finite float raises (sanitize with ``with_status``)."""
-    return json.dumps(value, allow_nan=False, **kwargs)
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:

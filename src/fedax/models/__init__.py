@@ -21,6 +21,7 @@ from fedax.models.precision import PRECISIONS, mixed_precision, with_precision
 _REGISTRY: dict[str, Callable[..., Model]] = {"2nn": mlp_2nn, "cnn": cnn, "logistic": logistic,
                                              "char_lstm": char_lstm}
 MODEL_NAMES = tuple(_REGISTRY)
+"""The names ``get_model`` accepts."""
 
 
 def get_model(name: str, **kwargs) -> Model:

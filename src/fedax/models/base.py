@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 
 import jax
 
-Params = Any  # a pytree (plain nested dicts) of float32 arrays
+Params = Any
+"""A model's parameters: a pytree (plain nested dicts) of float32 arrays."""
 
 
 class Model(NamedTuple):

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from fedax.models.base import Model
 
 PRECISIONS = ("float32", "bfloat16")
+"""The compute precisions ``with_precision`` accepts."""
 
 
 def _to(dtype, tree):
