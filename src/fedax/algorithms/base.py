@@ -292,6 +292,31 @@ def _merge(*dicts: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def client_training_keys(key: jax.Array, num_clients: int) -> jax.Array:
+    """``[C, ...]`` raw keys of the clients' own training (keyed client updates, e.g.
+    example-level DP-SGD) in a simulated round: ``split(fold_in(key, "clke"), C)``,
+    disjoint from the aggregator's keys (``split(key, 3)`` and its descendants, i.e.
+    ``fold_in(key, 0..2)`` under JAX's partitionable threefry). A real client draws its
+    own (``fedax.runtime.client``), FedBuff one per trip."""
+    return jax.random.key_data(
+        jax.random.split(jax.random.fold_in(key, _CLIENT_TRAINING_KEY), num_clients))
+
+
+def client_half(pieces: RoundPieces, payload: Any, client_state: Any, batches: Batches,
+                num_examples: jax.Array, raw_key: jax.Array | None = None) -> ClientMessage:
+    """One client's half of a round: the algorithm's ``client_update`` on what the
+    server sent, the client's own state and batches, with its training key (raw key data)
+    when the update is keyed. Every engine runs this one function per client: mapped over
+    the cohort (``cohort_round``), on a real client (``fedax.runtime``), per trip
+    (FedBuff)."""
+    if pieces.keyed:
+        if raw_key is None:
+            raise ValueError("this algorithm's client update is keyed: give its key")
+        return pieces.client_update(payload, client_state, batches, num_examples,
+                                    jax.random.wrap_key_data(raw_key))
+    return pieces.client_update(payload, client_state, batches, num_examples)
+
+
 def server_half(
     pieces: RoundPieces, state: RoundState, updates: Any, weights: jax.Array,
     stats: dict[str, jax.Array], sums: Any, counted: jax.Array, key: jax.Array | None,
@@ -345,19 +370,16 @@ def cohort_round(
     """
     num_clients = cohort.num_examples.shape[0]
     at_clients = fed.broadcast(pieces.payload(state.server), num_clients)
-    client_update, extra = pieces.client_update, ()
+    extra = ()
     if pieces.keyed:
         if key is None:
             raise ValueError("this algorithm's clients draw random numbers (keyed client "
                              "update): give the round a key, not None.")
-        # Disjoint from the aggregator's keys: those are split(key, 3) and its descendants,
-        # i.e. fold_in(key, 0..2) under JAX's partitionable threefry.
-        raw = jax.random.key_data(
-            jax.random.split(jax.random.fold_in(key, _CLIENT_TRAINING_KEY), num_clients))
-        extra = (raw,)
+        extra = (client_training_keys(key, num_clients),)
 
-        def client_update(p, s, b, n, k):
-            return pieces.client_update(p, s, b, n, jax.random.wrap_key_data(k))
+    def client_update(p, s, b, n, *k):
+        return client_half(pieces, p, s, b, n, *k)
+
     if pieces.client_state is None:
         message = fed.map_clients(
             lambda p, b, n, *k: client_update(p, None, b, n, *k),

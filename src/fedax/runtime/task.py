@@ -46,7 +46,7 @@ import numpy as np
 
 from fedax.aggregators import round_keys
 from fedax.algorithms import ALGORITHMS, RoundPieces, RoundState, init_state
-from fedax.algorithms.base import server_half
+from fedax.algorithms.base import client_half, server_half
 from fedax.client import Batches
 from fedax.models import get_model, softmax_cross_entropy
 
@@ -311,8 +311,8 @@ def client_step(pieces: RoundPieces, payload: Any, client_state: Any, batches: B
     """One client's half of a round; returns its ``Report`` and its new per-client state.
 
     ``train_key`` is raw key data (or None when the client update takes no key)."""
-    extra = (jax.random.wrap_key_data(train_key),) if pieces.keyed else ()
-    message = pieces.client_update(payload, client_state, batches, num_examples, *extra)
+    message = client_half(pieces, payload, client_state, batches, num_examples,
+                          train_key if pieces.keyed else None)
     report = Report(message.update, jnp.asarray(message.weight, jnp.float32),
                     dict(message.stats), message.sums, jnp.asarray(num_examples, jnp.float32))
     return report, message.client_state

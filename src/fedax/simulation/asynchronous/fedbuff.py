@@ -77,7 +77,7 @@ import numpy as np
 
 from fedax import federated as fed
 from fedax.algorithms import FederatedAlgorithm, RoundPieces, RoundState, init_state
-from fedax.algorithms.base import client_finite, keep_clients, server_half
+from fedax.algorithms.base import client_finite, client_half, keep_clients, server_half
 from fedax.simulation import checkpoint as ckpt
 from fedax.simulation.asynchronous.clock import Latency, Staleness, block_durations
 from fedax.simulation.execution import Execution, choose_execution, use_execution
@@ -370,8 +370,7 @@ def run_async(
                 jax.random.fold_in(train_stream, j)))(trips),)
 
         def one(p, b, n, *raw):
-            key = (jax.random.wrap_key_data(raw[0]),) if raw else ()
-            return pieces.client_update(p, None, b, n, *key)
+            return client_half(pieces, p, None, b, n, *raw)
 
         message = fed.map_clients(one, at_clients, cohort.batches, cohort.num_examples,
                                   *extra)
