@@ -394,3 +394,22 @@ def test_example_configs_run_server_sgd_at_one():
     for name in ("mnist_2nn_noniid_fedavg.yaml", "mnist_2nn_noniid_fedsgd.yaml"):
         server = resolved_server_optimizer(load_config(configs / name))
         assert (server.name, dict(server.hyperparameters)) == ("sgd", {"lr": 1.0})
+
+
+def test_set_null_unsets_a_key_so_switching_algorithm_works():
+    """A shipped config pins server.optimizer: sgd; --set algorithm=fedadam names the key
+    and how to unset it, and --set server.optimizer=null (its default: the optimizer the
+    algorithm implies) makes it run; key=null restores any key's default."""
+    from pathlib import Path
+
+    import fedax
+    from fedax.experiments.config import ConfigError, load_config
+
+    path = Path(fedax.__file__).parent / "configs" / "mnist_2nn_noniid_fedavg.yaml"
+    with pytest.raises(ConfigError, match=r"server\.optimizer.*--set server\.optimizer=null"):
+        load_config(path, ["algorithm=fedadam"])
+    config = load_config(path, ["algorithm=fedadam", "server.optimizer=null"])
+    assert config.algorithm == "fedadam" and config.server.optimizer is None
+    with pytest.raises(ConfigError, match="config key 'client_lr' is required"):
+        load_config(path, ["client_lr=null"])  # unset, and it has no default
+    assert load_config(path, ["eval_every=7", "eval_every=null"]).eval_every == 1

@@ -412,8 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     devices_help = ("shard each cohort over N devices (CPU: the host split into N XLA "
                     "devices; default one per core. GPU: the first N). Results equal one "
                     "device's")
-    set_help = ("override a config key (dotted keys for nested sections); repeatable, and "
-                "the last --set of a key wins")
+    set_help = ("override a config key (dotted keys for nested sections); KEY=null unsets "
+                "it (its default applies); repeatable, and the last --set of a key wins")
 
     run = sub.add_parser("run", help="run one experiment from a YAML config", parents=[common])
     run.add_argument("config", help="a YAML file, or the name of a bundled config")

@@ -439,7 +439,8 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     key, sep, raw = override.partition("=")
     path = key.strip().split(".")
     if not sep or not all(path):
-        raise ConfigError(f"malformed --set {override!r}: expected key=value, e.g. server.lr=0.5")
+        raise ConfigError(f"malformed --set {override!r}: expected key=value, e.g. "
+                          "server.lr=0.5 (key=null unsets a key)")
     model: type[BaseModel] = Config
     node = data
     for i, part in enumerate(path):
@@ -462,9 +463,13 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
             )
         node = child
     try:
-        node[path[-1]] = yaml.safe_load(raw)
+        value = yaml.safe_load(raw)
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {override!r}: value is not valid YAML ({e.problem})") from None
+    if value is None:  # --set key=null: unset it (its default applies)
+        node.pop(path[-1], None)
+    else:
+        node[path[-1]] = value
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
