@@ -23,7 +23,7 @@ _NAMES = {  # name -> the module that defines it; loaded on first use (PEP 562),
     "server_status": "client",
     "ClientTLS": "security", "Registry": "security", "ServerTLS": "security",
     "make_dev_pki": "security", "read_token": "security",
-    "RoundFailed": "server", "Server": "server", "ServerConfig": "config",
+    "RoundFailed": "rounds", "Server": "server", "ServerConfig": "config",
     "Task": "task", "build": "task",
 }
 

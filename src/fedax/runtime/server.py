@@ -38,15 +38,13 @@ report is on disk. With ``checkpoint_dir`` and ``resume=True`` the server contin
 last checkpoint (the last ``keep_checkpoints`` are kept; a damaged one falls back to the one
 before); clients keep polling through the outage.
 
-Idle clients long-poll: a ``Poll`` with nothing for the client waits up to
-``poll_hold_s`` for its task (while fewer than half the worker threads are holding polls),
-so a round reaches its clients as soon as it opens.
+Idle clients long-poll: a ``Poll`` with nothing for the client waits up to ``poll_hold_s``
+for its task (while half the worker threads are not all holding polls).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import json
 import logging
@@ -70,6 +68,7 @@ from fedax.runtime import store, wire
 from fedax.runtime.checks import ReportChecks
 from fedax.runtime.config import ServerConfig
 from fedax.runtime.gate import Gate, RateLimitedLog, Rejections, read_deadline
+from fedax.runtime.rounds import OpenRound, RoundFailed, finite, select
 from fedax.runtime.security import Registry, ServerTLS
 from fedax.runtime.task import (
     Report,
@@ -86,34 +85,6 @@ from fedax.runtime.task import (
 log = logging.getLogger("fedax.runtime.server")
 CHECKPOINT = "server_checkpoint.msgpack"
 ROUND_LOG = "rounds.jsonl"
-
-
-@dataclasses.dataclass
-class _Round:
-    """The open round (guarded by the server's lock)."""
-
-    t: int
-    attempt: int
-    selected: list[int]
-    nonces: dict[int, str]
-    shared: bytes  # the round's tensors, serialized once
-    payload: Any  # what was sent, as NumPy (the bounds checks compare against it)
-    client_keys: np.ndarray  # [C] raw keys of the aggregator's client stage (secret)
-    model_version: str
-    deadline: float
-    started: float
-    accepted: dict[int, Report] = dataclasses.field(default_factory=dict)
-    rejected: dict[int, str] = dataclasses.field(default_factory=dict)
-    closed: bool = False
-
-
-class RoundFailed(RuntimeError):
-    """A round got fewer than ``min_reports`` accepted reports ``max_attempts`` times."""
-
-
-def _finite(tree: Any) -> bool:
-    return all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(tree)
-               if jnp.issubdtype(jnp.asarray(a).dtype, jnp.inexact))
 
 
 class Server:
@@ -158,8 +129,8 @@ class Server:
         self._held = 0  # polls held open (long poll)
         self._holding: collections.Counter[int] = collections.Counter()  # whose, alive
         self._readers = threading.BoundedSemaphore(config.max_concurrent_reports)
-        self._round: _Round | None = None
-        self._last_closed: _Round | None = None  # its late reports are not violations
+        self._round: OpenRound | None = None
+        self._last_closed: OpenRound | None = None  # its late reports are not violations
         self._done = False
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -290,11 +261,7 @@ class Server:
         return sorted({c for c, seen in self.last_seen.items()
                        if now - seen <= self.config.liveness_s} | set(self._holding))
 
-    def _selection_rng(self, t: int, attempt: int) -> np.random.Generator:
-        words = np.frombuffer(hashlib.sha256(self._secret + b"selection").digest(), np.uint32)
-        return np.random.default_rng([*map(int, words), t, attempt])
-
-    def _open(self, t: int, attempt: int) -> _Round | None:
+    def _open(self, t: int, attempt: int) -> OpenRound | None:
         cfg = self.config
         need = cfg.min_clients if cfg.min_clients is not None else cfg.selection_size
         with self._lock:
@@ -306,8 +273,7 @@ class Server:
             if self._stop.is_set():
                 return None
         count = min(cfg.selection_size, len(alive))
-        selected = sorted(int(c) for c in self._selection_rng(t, attempt).choice(
-            alive, size=count, replace=False))
+        selected = select(self._secret, t, attempt, alive, count)
         payload = self.pieces.payload(self.state.server)
         tensors = wire.encode_tree(store.raw({"payload": payload}))
         shared = wire.Envelope(tensors=tensors).SerializeToString()
@@ -316,7 +282,7 @@ class Server:
         now = time.monotonic()
         with self._lock:
             self._bytes = {"in": 0, "out": 0}
-            self._round = _Round(t, attempt, selected,
+            self._round = OpenRound(t, attempt, selected,
                                  {c: secrets.token_hex(16) for c in selected}, shared,
                                  jax.device_get(payload), keys, version,
                                  now + cfg.deadline_s, now)
@@ -326,7 +292,7 @@ class Server:
                  len(alive))
         return self._round
 
-    def _close(self, r: _Round) -> dict[str, Any]:
+    def _close(self, r: OpenRound) -> dict[str, Any]:
         with self._lock:
             while not self._stop.is_set():
                 settled = len(r.accepted) + len(r.rejected)
@@ -349,7 +315,7 @@ class Server:
                   "bytes_in": traffic["in"], "bytes_out": traffic["out"]}
         return {"record": record, "accepted": accepted}
 
-    def _aggregate(self, r: _Round, accepted: dict[int, Report]) -> tuple[Any, dict]:
+    def _aggregate(self, r: OpenRound, accepted: dict[int, Report]) -> tuple[Any, dict]:
         """The new state from the accepted reports (not yet installed) and the metrics."""
         ids = sorted(accepted)
         rows = [accepted[c] for c in ids]
@@ -390,7 +356,7 @@ class Server:
             status = "retry"
             if len(accepted) >= need:
                 state, metrics = self._aggregate(r, accepted)
-                if _finite(state):
+                if finite(state):
                     self._install(r, state, accepted, record, metrics)
                     return True
                 status = "non-finite"  # the old state stays; the round is tried again
@@ -402,7 +368,7 @@ class Server:
             f"round {t} got fewer than {need} accepted reports (or no finite new state) in "
             f"{self.config.max_attempts} attempts; start more clients or lower min_reports")
 
-    def _install(self, r: _Round, state: Any, accepted: dict[int, Report],
+    def _install(self, r: OpenRound, state: Any, accepted: dict[int, Report],
                  record: dict[str, Any], metrics: dict[str, float]) -> None:
         """Make ``state`` the server's, checkpoint it, and only then tell the clients
         their reports were included (a crash before the checkpoint is durable leaves no
@@ -432,7 +398,7 @@ class Server:
             with open(path, "a") as f:
                 f.write(line + "\n")
 
-    def _reject(self, r: _Round | None, cid: int, kind: str, reason: str) -> Any:
+    def _reject(self, r: OpenRound | None, cid: int, kind: str, reason: str) -> Any:
         self._refusals.warning(f"report-{kind}", "rejected a report from client %d: %s: %s",
                                cid, kind, reason)
         with self._lock:
@@ -565,37 +531,25 @@ class Server:
         finally:
             timer.cancel()
             self._readers.release()
-            self._count_in(counter[0])
+            with self._lock:
+                self._bytes["in"] += counter[0]
         return self._check_report(r, cid, header, env)
 
-    def _check_header(self, r: _Round | None, cid: int, t: int, attempt: int,
+    def _check_header(self, r: OpenRound | None, cid: int, t: int, attempt: int,
                       version: str, nonce: str) -> Any:
         last = self._last_closed
-        if (last is not None and (t, attempt) == (last.t, last.attempt)
-                and last.nonces.get(cid) == nonce and cid not in last.accepted
-                and cid not in last.rejected):
+        if last is not None and last.late(cid, t, attempt, nonce):
             return wire.SubmitReply(accepted=False, reason="late: the round has closed")
         if r is None or r.closed:
             return self._reject(None, cid, "wrong-round", f"report for round {t}.{attempt}, "
                                 "no round is open")
-        if (t, attempt) != (r.t, r.attempt):
-            return self._reject(r, cid, "wrong-round", f"report for round {t}.{attempt}, "
-                                f"the open round is {r.t}.{r.attempt}")
-        if cid not in r.nonces:
-            return self._reject(None, cid, "not-selected",
-                                f"client {cid} is not selected for round {r.t}.{r.attempt}")
-        if version != r.model_version:
-            return self._reject(r, cid, "model-version", "the report is on another model "
-                                "version than the open round's")
-        if cid in r.accepted or cid in r.rejected:
-            return self._reject(None, cid, "replay", f"client {cid} already reported in "
-                                f"round {r.t}.{r.attempt}")
-        if not secrets.compare_digest(nonce.encode(), r.nonces[cid].encode()):
-            return self._reject(r, cid, "replay", "the report's nonce is not the one issued "
-                                "for this round")
-        return None
+        problem = r.header_problem(cid, t, attempt, version, nonce)
+        if problem is None:
+            return None
+        kind, reason, this_round = problem
+        return self._reject(r if this_round else None, cid, kind, reason)
 
-    def _check_report(self, r: _Round, cid: int, header: tuple, env: Any) -> Any:
+    def _check_report(self, r: OpenRound, cid: int, header: tuple, env: Any) -> Any:
         if env.client_id != cid or (env.round, env.attempt, env.model_version,
                                     env.nonce) != header:
             return self._reject(r, cid, "sender", "the report's envelope does not match "
@@ -623,10 +577,6 @@ class Server:
             r.accepted[cid] = report
             self._lock.notify_all()
         return wire.SubmitReply(accepted=True)
-
-    def _count_in(self, n: int) -> None:
-        with self._lock:
-            self._bytes["in"] += n
 
     def _rpc_status(self, request_iterator, context, cid):
         """Counts only (no token needed): no metrics, no client ids."""

@@ -1,0 +1,82 @@
+"""A networked round's bookkeeping: the open round, the secret selection, the finite check.
+
+``select`` draws a round's clients with NumPy's generator seeded from the server's secret
+(``os.urandom``, never sent) and the round id, so no participant can predict who is
+selected, and a resumed server (same secret) selects as it would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import secrets
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedax.runtime.task import Report
+
+
+@dataclasses.dataclass
+class OpenRound:
+    """The open round (guarded by the server's lock)."""
+
+    t: int
+    attempt: int
+    selected: list[int]
+    nonces: dict[int, str]
+    shared: bytes  # the round's tensors, serialized once
+    payload: Any  # what was sent, as NumPy (the bounds checks compare against it)
+    client_keys: np.ndarray  # [C] raw keys of the aggregator's client stage (secret)
+    model_version: str
+    deadline: float
+    started: float
+    accepted: dict[int, Report] = dataclasses.field(default_factory=dict)
+    rejected: dict[int, str] = dataclasses.field(default_factory=dict)
+    closed: bool = False
+
+    def late(self, cid: int, t: int, attempt: int, nonce: str) -> bool:
+        """A report this (closed) round issued and has not settled: late, not a fault."""
+        return ((t, attempt) == (self.t, self.attempt) and self.nonces.get(cid) == nonce
+                and cid not in self.accepted and cid not in self.rejected)
+
+    def header_problem(self, cid: int, t: int, attempt: int, version: str,
+                       nonce: str) -> tuple[str, str, bool] | None:
+        """Why a report headed ``(t, attempt, version, nonce)`` from client ``cid`` is
+        refused by this open round, as ``(kind, reason, whether it excludes the client
+        from this round)``; None if the header is right."""
+        if (t, attempt) != (self.t, self.attempt):
+            return ("wrong-round", f"report for round {t}.{attempt}, the open round is "
+                    f"{self.t}.{self.attempt}", True)
+        if cid not in self.nonces:
+            return ("not-selected", f"client {cid} is not selected for round "
+                    f"{self.t}.{self.attempt}", False)
+        if version != self.model_version:
+            return ("model-version", "the report is on another model version than the "
+                    "open round's", True)
+        if cid in self.accepted or cid in self.rejected:
+            return ("replay", f"client {cid} already reported in round "
+                    f"{self.t}.{self.attempt}", False)
+        if not secrets.compare_digest(nonce.encode(), self.nonces[cid].encode()):
+            return "replay", "the report's nonce is not the one issued for this round", True
+        return None
+
+
+class RoundFailed(RuntimeError):
+    """A round got fewer than ``min_reports`` accepted reports ``max_attempts`` times."""
+
+
+def finite(tree: Any) -> bool:
+    """Every float leaf of ``tree`` is finite (a new server state must be)."""
+    return all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree.leaves(tree)
+               if jnp.issubdtype(jnp.asarray(a).dtype, jnp.inexact))
+
+
+def select(secret: bytes, t: int, attempt: int, alive: list[int], count: int) -> list[int]:
+    """``count`` of the ``alive`` client ids for round t, attempt ``attempt``, drawn without
+    replacement from ``default_rng([SHA-256(secret ‖ "selection") words, t, attempt])``."""
+    words = np.frombuffer(hashlib.sha256(secret + b"selection").digest(), np.uint32)
+    rng = np.random.default_rng([*map(int, words), t, attempt])
+    return sorted(int(c) for c in rng.choice(alive, size=count, replace=False))
