@@ -46,6 +46,7 @@ from fedax.algorithms import ALGORITHMS
 from fedax.algorithms.server_optimizers import ResolvedServerOptimizer
 from fedax.experiments.errors import ConfigError
 from fedax.experiments.sections import (
+    AsynchronousConfig,
     AttackConfig,
     BatchSize,
     ClientConfig,
@@ -61,6 +62,7 @@ from fedax.experiments.sections import (
     _KeyedError,
     _resolve_server,
     _Section,
+    async_combination,
 )
 
 
@@ -111,6 +113,7 @@ class Config(_Section):
     per_client_eval: bool = False
     checkpoint_every: int = Field(0, ge=0)
     execution: ExecutionConfig = ExecutionConfig()
+    asynchronous: AsynchronousConfig = AsynchronousConfig()  # with execution.mode: async
 
     @model_validator(mode="before")
     @classmethod
@@ -242,6 +245,13 @@ class Config(_Section):
             able = ", ".join(n for n, s in ALGORITHMS.items() if s.local_stopping)
             raise _KeyedError("client.stopping", f"algorithm {self.algorithm!r} has no local "
                                                  f"training to stop early; use one of {able}")
+        return self
+
+    @model_validator(mode="after")
+    def _async_combination(self) -> Config:
+        refused = async_combination(self)
+        if refused is not None:
+            raise _KeyedError(*refused)
         return self
 
     @model_validator(mode="after")
@@ -536,8 +546,9 @@ def config_to_dict(config: Config) -> dict[str, Any]:
     """A JSON-serializable dict of ``config`` (B = inf as ``"inf"``); it validates back.
     ``learned_lr`` appears only with ``server.lr: learned`` (it applies only then), and
     ``privacy``, ``compression``, ``robust`` and ``attack`` only when given, and
-    ``per_client_eval`` only when on and ``client`` only with early stopping (configs
-    written before they existed dump as before)."""
+    ``per_client_eval`` only when on, ``client`` only with early stopping, and
+    ``execution.mode`` and ``asynchronous`` only with ``mode: async`` (configs written
+    before they existed dump as before)."""
     data = config.model_dump(mode="json")
     if not config.per_client_eval:
         data.pop("per_client_eval")
@@ -554,6 +565,9 @@ def config_to_dict(config: Config) -> dict[str, Any]:
     for section in ("robust", "attack"):
         if getattr(config, section) is None:
             data.pop(section)
+    if config.execution.mode == "sync":  # the default engine dumps as before it had a name
+        data["execution"].pop("mode")
+        data.pop("asynchronous")
     return data
 
 

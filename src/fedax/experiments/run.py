@@ -193,9 +193,11 @@ def run_experiment(
                              attackers=attack.attackers)
         if attack.backdoor is not None:
             evaluate = with_backdoor(evaluate, make_evaluator(model.apply, *attack.backdoor))
+    devices = config.execution.devices
+    if config.execution.mode == "async" and devices == "auto":
+        devices = 1  # FedBuff's clock runs in one process on one device
     execution: Execution = choose_execution(
-        config.execution.strategy, config.execution.local_steps, config.execution.devices,
-        params=params,
+        config.execution.strategy, config.execution.local_steps, devices, params=params,
     )
 
     def replace_earlier_outputs() -> None:
@@ -232,31 +234,37 @@ def run_experiment(
                                or cohort_size(config, train.num_clients))
     try:
         with preferred_cpu_dots(cpu_dots_for(config.model, config.precision)):
-            history = run(
-                algorithm,
-                params,
-                source,
-                evaluate,
-                # A privacy budget ends the run before the round that would exceed it.
-                rounds=config.rounds if plan is None else plan.rounds,
-                seed=config.seed,
-                eval_every=config.eval_every,
-                target_accuracy=config.target_accuracy,
-                stop_at_target=config.stop_at_target,
-                execution=execution,
-                callbacks=callbacks,
-                round_callbacks=round_callbacks,
-                progress=progress,
-                checkpoint_dir=out / "checkpoints",
-                checkpoint_every=config.checkpoint_every,
-                resume=resume,
-                # The algorithm, model and data choices the runner cannot see. How often to save
-                # does not change the run, so a resumed run may save more or less often.
-                fingerprint=_fingerprint(config),
-                schedule=schedule,
-                record_fields=None if plan is None else (lambda t: {"epsilon": plan.epsilon(t)}),
-                max_rejected_fraction=config.max_rejected_fraction,
-            )
+            if config.execution.mode == "async":
+                history = _run_async(config, algorithm, params, source, evaluate, execution,
+                                     callbacks, out, resume, train.num_clients)
+            else:
+                history = run(
+                    algorithm,
+                    params,
+                    source,
+                    evaluate,
+                    # A privacy budget ends the run before the round that would exceed it.
+                    rounds=config.rounds if plan is None else plan.rounds,
+                    seed=config.seed,
+                    eval_every=config.eval_every,
+                    target_accuracy=config.target_accuracy,
+                    stop_at_target=config.stop_at_target,
+                    execution=execution,
+                    callbacks=callbacks,
+                    round_callbacks=round_callbacks,
+                    progress=progress,
+                    checkpoint_dir=out / "checkpoints",
+                    checkpoint_every=config.checkpoint_every,
+                    resume=resume,
+                    # The algorithm, model and data choices the runner cannot see. How often
+                    # to save does not change the run, so a resumed run may save more or
+                    # less often.
+                    fingerprint=_fingerprint(config),
+                    schedule=schedule,
+                    record_fields=None if plan is None else (
+                        lambda t: {"epsilon": plan.epsilon(t)}),
+                    max_rejected_fraction=config.max_rejected_fraction,
+                )
     except FloatingPointError as err:
         writer.start()
         summary = summarize(config, writer.records, time.perf_counter() - started, execution,
@@ -274,6 +282,29 @@ def run_experiment(
     summary.update(feature_summaries(config, params, attack, tally))
     write_outputs(out, summary, history.records, label, title)
     return summary
+
+
+def _run_async(config: Config, algorithm, params, source, evaluate, execution, callbacks,
+               out: Path, resume: bool, num_clients: int):
+    """``execution.mode: async``: FedBuff on the virtual clock over the same algorithm,
+    data, evaluation and outputs, ``rounds`` server updates of ``asynchronous.buffer_size``
+    updates each (``fedax.simulation.asynchronous.run_async``)."""
+    from fedax.simulation.asynchronous import AsyncConfig, Latency, Staleness, run_async
+
+    a = config.asynchronous
+    m = cohort_size(config, num_clients)
+    settings = AsyncConfig(
+        buffer_size=a.buffer_size or m, concurrency=a.concurrency or m,
+        staleness=Staleness(**a.staleness.model_dump()), max_staleness=a.max_staleness,
+        latency=Latency(**a.latency.model_dump()), weighting=a.weighting)
+    return run_async(algorithm, params, source, evaluate, settings,
+                     server_updates=config.rounds, seed=config.seed,
+                     eval_every=config.eval_every, target_accuracy=config.target_accuracy,
+                     stop_at_target=config.stop_at_target, execution=execution,
+                     callbacks=callbacks, checkpoint_dir=out / "checkpoints",
+                     checkpoint_every=config.checkpoint_every, resume=resume,
+                     fingerprint=_fingerprint(config),
+                     max_rejected_fraction=config.max_rejected_fraction)
 
 
 def summarize(config: Config, records: list[dict[str, Any]], wall: float, execution: Execution,

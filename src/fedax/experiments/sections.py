@@ -234,8 +234,12 @@ class ClientConfig(_Section):
 
 
 class ExecutionConfig(_Section):
-    """How rounds execute; ``auto`` lets the runner choose per backend and model."""
+    """How rounds execute; ``auto`` lets the runner choose per backend and model.
+    ``mode``: ``sync`` (rounds, ``fedax.simulation.run``) or ``async`` (FedBuff on a virtual
+    clock, ``fedax.simulation.asynchronous.run_async``, with the ``asynchronous:``
+    section; ``rounds`` counts server updates)."""
 
+    mode: Literal["sync", "async"] = "sync"
     strategy: Literal["auto", "vmap", "sequential", "unroll", "processes"] = "auto"
     local_steps: Literal["auto", "scan", "unroll"] = "auto"
     devices: Any = Field("auto", description="'auto' or an integer >= 1")
@@ -246,6 +250,70 @@ class ExecutionConfig(_Section):
         if value == "auto" or (type(value) is int and value >= 1):
             return value
         raise ValueError(f"must be 'auto' or an integer >= 1, got {value!r}")
+
+
+class LatencyConfig(_Section):
+    """A client trip's duration on the virtual clock (``fedax.simulation.asynchronous.
+    Latency``): ``kind`` and its ``mean``, ``sd``, ``min``."""
+
+    kind: Literal["constant", "half_normal", "uniform", "exponential",
+                  "per_example_gaussian"] = "half_normal"
+    mean: Number = Field(1.0, gt=0, allow_inf_nan=False)
+    sd: Number = Field(1.0, ge=0, allow_inf_nan=False)
+    min: Number = Field(0.0, ge=0, allow_inf_nan=False)
+
+
+class StalenessConfig(_Section):
+    """The weight s(τ) of an update τ versions old (``fedax.simulation.asynchronous.
+    Staleness``): ``constant`` (1), ``polynomial`` ((1 + τ)^-exponent), ``threshold`` (1 up
+    to ``cutoff``, then ``value_after``)."""
+
+    kind: Literal["constant", "polynomial", "threshold"] = "polynomial"
+    exponent: Number = Field(0.5, ge=0, le=1)
+    cutoff: int = Field(0, ge=0)
+    value_after: Number = Field(0.0, ge=0, le=1)
+
+
+class AsynchronousConfig(_Section):
+    """``execution.mode: async``: FedBuff (Nguyen et al. 2022) on a virtual clock. Clients
+    train on the model version they downloaded; the server applies every ``buffer_size``
+    (K) updates, each weighted by its staleness, with the algorithm's server update;
+    ``concurrency`` (M) clients train at every moment. Both default to the cohort size m
+    (``client_fraction`` × clients); with K = M = m, a constant latency and constant
+    staleness it is the synchronous run, bit for bit."""
+
+    buffer_size: int | None = Field(None, ge=1)  # default: the cohort size m
+    concurrency: int | None = Field(None, ge=1)  # default: the cohort size m
+    staleness: StalenessConfig = StalenessConfig()
+    max_staleness: int | None = Field(None, ge=0)  # staler updates are dropped and counted
+    latency: LatencyConfig = LatencyConfig()
+    weighting: Literal["algorithm", "equal"] = "algorithm"
+
+
+def async_combination(config: Any) -> tuple[str, str] | None:
+    """Why ``config`` cannot run with ``execution.mode: async``, as ``(key, message)``, or
+    None. FedBuff's server applies buffered updates of clients that keep no state of their
+    own, sampled as fixed-size blocks; what it does not model is refused here."""
+    if config.execution.mode != "async":
+        return None
+    why = {"algorithm": (config.algorithm.startswith("scaffold"), "keeps per-client state "
+                         "(c_i), which buffered asynchronous updates do not carry"),
+           "privacy": (config.privacy is not None, "the accountant counts synchronous "
+                       "rounds, not buffered asynchronous updates"),
+           "server.lr": (config.server.lr == "learned", "'learned' differentiates a "
+                         "synchronous round"),
+           "attack": (config.attack is not None, "simulated attacks act on a synchronous "
+                      "cohort"),
+           "stragglers": (config.stragglers > 0, "the virtual clock's latency model "
+                          "replaces stragglers (asynchronous.latency)"),
+           "execution.devices": (config.execution.devices not in ("auto", 1), "the virtual "
+                                 "clock runs on one device"),
+           "execution.strategy": (config.execution.strategy == "processes", "the virtual "
+                                  "clock runs in one process")}
+    for key, (refused, reason) in why.items():
+        if refused:
+            return key, f"{reason}: not with execution.mode async (use mode sync)"
+    return None
 
 
 class LearnedLRConfig(_Section):
