@@ -155,7 +155,7 @@ def test_comm_cost_counts_each_clients_share():
 
 
 def test_the_privacy_audit_sees_a_collect_as_an_unprivatized_upload():
-    from fedax.hyper.private import unprivatized_sums
+    from fedax.hyper.audit import unprivatized_sums
 
     x, D = _data()
     found = unprivatized_sums(jax.make_jaxpr(_median_program)(x, D), derivative_only=False)

@@ -1,5 +1,5 @@
-"""Private hypergradients (``fedax.hyper.private``): the derivative program of a DP round
-releases only clipped and noised sums.
+"""Private hypergradients (``fedax.hyper.private`` and the private sums, primitives and audit
+it builds on): the derivative program of a DP round releases only clipped and noised sums.
 
 * on the jaxpr, every federated sum in the derivative program is private (operand from the
   clip primitive, result only into the noise primitive), and the same check fails for the
@@ -25,18 +25,15 @@ from fedax.algorithms import CohortBatches, fedavg, federated_loss, server_optim
 from fedax.algorithms.base import client_mean_loss
 from fedax.client import Batches
 from fedax.hyper import HyperCohort, learned_server_lr_in_state
+from fedax.hyper.audit import audit_sums, unprivatized_sums
+from fedax.hyper.dp_primitives import dp_clip
 from fedax.hyper.private import (
     HoldoutPrivacy,
-    audit_sums,
-    dp_clip,
     extra_releases_per_round,
-    private_broadcast,
     private_federated_loss,
     private_learned_server_lr,
-    private_sum,
-    unprivatized_sums,
-    with_private_payload,
 )
+from fedax.hyper.private_sums import private_broadcast, private_sum, with_private_payload
 from fedax.privacy import epsilon
 
 D, K, C, S, B = 3, 2, 4, 2, 3  # features, classes, clients, local steps, batch

@@ -1,5 +1,6 @@
 """Federated automatic differentiation applied: hypergradients and learned hyperparameters."""
 
+from fedax.hyper.audit import audit_sums, unprivatized_sums
 from fedax.hyper.carried import CarriedState, learned_server_lr_carried
 from fedax.hyper.client_weights import client_features, learned_client_weights, weighting
 from fedax.hyper.hypergradient import federated_loss, hypergradient, loss_after_rounds
@@ -7,14 +8,14 @@ from fedax.hyper.hypergradient_descent import HyperCohort, HyperState, hypergrad
 from fedax.hyper.losses import soft_error
 from fedax.hyper.private import (
     HoldoutPrivacy,
-    audit_sums,
     extra_releases_per_round,
-    private_broadcast,
     private_federated_loss,
     private_learned_server_lr,
+)
+from fedax.hyper.private_sums import (
+    private_broadcast,
     private_sum,
     privatize_payload,
-    unprivatized_sums,
     with_private_payload,
 )
 from fedax.hyper.server_lr import learned_server_lr, learned_server_lr_in_state

@@ -31,8 +31,8 @@ Sums transpose into broadcasts (server→client: no release). Where this happens
 * the broadcast of anything else that depends on h (aggregator state, a client-side
   hyperparameter placed with ``broadcast``). A hyperparameter that client code *closes
   over* (the client learning rate of ``fedavg``) is summed by ``vmap``'s own transpose,
-  outside the placement primitives: invisible to the audit below, and not privatizable
-  without broadcasting it as part of the payload.
+  outside the placement primitives: invisible to the audit (``fedax.hyper.audit``), and not
+  privatizable without broadcasting it as part of the payload.
 
 *Forward mode* carries a tangent with every value: broadcasts carry tangents down (no
 release), and every sum carries a tangent sum up, a second release next to the primal one.
@@ -88,317 +88,33 @@ Keys: every release draws from its own key, split from the round key with
 (default) partitionable threefry, ``fold_in(key, i) == split(key, n)[i]``, and reusing
 noise between two releases reveals the difference of the sums exactly.
 
-The audit
----------
-
-:func:`audit_sums` walks a jaxpr (``jax.make_jaxpr``) and reports every ``federated_sum``.
-The clip and the noise are marker primitives that *are* the operations
-(``federated_dp_clip``: each client's pytree scaled to L2 norm ≤ clip;
-``federated_dp_noise``: add N(0, stddev²) from a key), so a sum counts as private exactly
-when (1) its operand is an output of ``federated_dp_clip`` and (2) its result goes nowhere
-but into ``federated_dp_noise`` with stddev > 0; its multiplier is stddev/clip. A sum is in
-the *derivative program* when JAX traced it in a transpose (its name stack says
-``transpose(...)``, or an enclosing equation's does). The check is dataflow, not a name:
-renaming or wrapping a plain sum does not pass it, and a clipped sum whose raw value is
-also used elsewhere fails it. It assumes the default ``vmap`` map strategy (under
-``sequential``/``unroll`` the client-side clip of :func:`with_private_payload` sits inside
-a loop body or per-client copies, and its sums are reported as unprivatized).
+Where the pieces are: the clip and the noise as primitives in ``fedax.hyper.dp_primitives``;
+``private_sum``, ``private_broadcast``, ``privatize_payload`` and ``with_private_payload``
+in ``fedax.hyper.private_sums``; the check that a derivative program sends nothing
+unprivatized (``audit_sums``, ``unprivatized_sums``) in ``fedax.hyper.audit``. This module
+holds the private holdout loss and the learned server learning rate built on them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 
 from fedax import federated as fed
 from fedax.aggregators.dp import _non_negative, _positive
-from fedax.algorithms import (
-    CohortBatches,
-    FederatedAlgorithm,
-    RoundPieces,
-    compose,
-)
+from fedax.algorithms import CohortBatches, FederatedAlgorithm
 from fedax.algorithms.base import client_mean_loss
 from fedax.client import LossFn
+from fedax.hyper.dp_primitives import _clip_impl, dp_clip
 from fedax.hyper.hypergradient import Mode
 from fedax.hyper.hypergradient_descent import HyperCohort, HyperState
+from fedax.hyper.private_sums import _check_key, private_broadcast, private_sum
 from fedax.hyper.server_lr import require_injected_lr, with_state_lr
-
-CLIP_PRIMITIVE = "federated_dp_clip"
-NOISE_PRIMITIVE = "federated_dp_noise"
-
-# ----------------------------------------------------------------- the marker primitives
-#
-# Both take a flat list of array leaves. ``batch_ndim`` leading axes index independent
-# groups (clients; vmap adds one more): the clip norm is taken per group over all leaves
-# and the remaining axes; the noise is drawn for one group and shared along those axes
-# (what an unbatched key gives under vmap).
-
-dp_clip_p = Primitive(CLIP_PRIMITIVE)
-dp_clip_p.multiple_results = True
-dp_noise_p = Primitive(NOISE_PRIMITIVE)
-dp_noise_p.multiple_results = True
-
-
-def _clip_impl(*leaves, clip, batch_ndim):
-    leaves = [jnp.asarray(a) for a in leaves]
-    batch = leaves[0].shape[:batch_ndim]
-    acc = jnp.promote_types(jnp.result_type(*leaves), jnp.float32)
-    squares = [jnp.sum(jnp.square(a.astype(acc)), axis=tuple(range(batch_ndim, a.ndim)))
-               for a in leaves]
-    norm = jnp.sqrt(functools.reduce(jnp.add, squares))
-    factor = jnp.minimum(1.0, clip / jnp.maximum(norm, 1e-30))
-    finite = jnp.isfinite(norm)  # a non-finite client counts for nothing (by selection)
-
-    def scale(a):
-        shape = batch + (1,) * (a.ndim - batch_ndim)
-        scaled = a * factor.reshape(shape).astype(a.dtype)
-        return jnp.where(finite.reshape(shape), scaled, jnp.zeros((), a.dtype))
-
-    return [scale(a) for a in leaves]
-
-
-def _clip_abstract_eval(*avals, clip, batch_ndim):
-    del clip
-    batches = {tuple(a.shape[:batch_ndim]) for a in avals}
-    if len(batches) != 1 or any(a.ndim < batch_ndim for a in avals):
-        raise ValueError(f"{CLIP_PRIMITIVE}: leaves disagree on the {batch_ndim} leading "
-                         f"(client) axes: {sorted(batches)}.")
-    if not all(jnp.issubdtype(a.dtype, jnp.inexact) for a in avals):
-        raise TypeError(f"{CLIP_PRIMITIVE} clips float values only.")
-    return list(avals)
-
-
-def _to_front(args, dims):
-    size = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
-    return [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims, strict=True)]
-
-
-def _clip_batch(args, dims, *, clip, batch_ndim):
-    out = dp_clip_p.bind(*_to_front(args, dims), clip=clip, batch_ndim=batch_ndim + 1)
-    return out, [0] * len(out)
-
-
-def _clip_jvp(primals, tangents, *, clip, batch_ndim):
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    out = dp_clip_p.bind(*primals, clip=clip, batch_ndim=batch_ndim)
-    _, tangent_out = jax.jvp(functools.partial(_clip_impl, clip=clip, batch_ndim=batch_ndim),
-                             tuple(primals), tuple(tangents))
-    return out, list(tangent_out)
-
-
-def _noise_impl(*operands, stddev, batch_ndim):
-    *leaves, key = operands
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for k, a in zip(keys, leaves, strict=True):
-        a = jnp.asarray(a)
-        dtype = jnp.result_type(a)
-        noise = jax.random.normal(k, a.shape[batch_ndim:], dtype) * jnp.asarray(stddev, dtype)
-        out.append(a + noise)
-    return out
-
-
-def _noise_abstract_eval(*avals, stddev, batch_ndim):
-    del stddev, batch_ndim
-    *values, _ = avals
-    if not all(jnp.issubdtype(a.dtype, jnp.inexact) for a in values):
-        raise TypeError(f"{NOISE_PRIMITIVE} noises float values only.")
-    return list(values)
-
-
-def _noise_batch(args, dims, *, stddev, batch_ndim):
-    if dims[-1] is not None:
-        raise NotImplementedError(
-            f"{NOISE_PRIMITIVE} under vmap with a batched key; map over the values only.")
-    values = _to_front(args[:-1], dims[:-1])
-    out = dp_noise_p.bind(*values, args[-1], stddev=stddev, batch_ndim=batch_ndim + 1)
-    return out, [0] * len(out)
-
-
-def _noise_jvp(primals, tangents, *, stddev, batch_ndim):
-    out = dp_noise_p.bind(*primals, stddev=stddev, batch_ndim=batch_ndim)
-    return out, [ad.instantiate_zeros(t) for t in tangents[:-1]]  # noise: tangent zero
-
-
-dp_clip_p.def_impl(_clip_impl)
-dp_clip_p.def_abstract_eval(_clip_abstract_eval)
-mlir.register_lowering(dp_clip_p, mlir.lower_fun(_clip_impl, multiple_results=True))
-batching.primitive_batchers[dp_clip_p] = _clip_batch
-ad.primitive_jvps[dp_clip_p] = _clip_jvp
-
-dp_noise_p.def_impl(_noise_impl)
-dp_noise_p.def_abstract_eval(_noise_abstract_eval)
-mlir.register_lowering(dp_noise_p, mlir.lower_fun(_noise_impl, multiple_results=True))
-batching.primitive_batchers[dp_noise_p] = _noise_batch
-ad.primitive_jvps[dp_noise_p] = _noise_jvp
-
-
-def dp_clip(tree: Any, clip: float, *, client_placed: bool = True) -> Any:
-    """Each client's value scaled to L2 norm at most ``clip`` (the global norm over every
-    leaf, as ``dp_gaussian``'s flat clip); a client with a non-finite norm becomes zeros.
-    ``client_placed``: leaves have a leading clients axis; otherwise ``tree`` is one
-    client's value (inside ``map_clients``)."""
-    clip = _positive("dp_clip clip", clip)
-    leaves, treedef = jax.tree.flatten(tree)
-    out = dp_clip_p.bind(*leaves, clip=clip, batch_ndim=1 if client_placed else 0)
-    return jax.tree.unflatten(treedef, out)
-
-
-def dp_noise(tree: Any, stddev: float, key: jax.Array) -> Any:
-    """``tree`` (server-placed) plus N(0, stddev²) on every coordinate, drawn from ``key``
-    as ``dp_gaussian`` draws its noise (one split per leaf)."""
-    stddev = _non_negative("dp_noise stddev", stddev)
-    if key is None:
-        raise ValueError("dp_noise needs a key (the noise of a DP release).")
-    leaves, treedef = jax.tree.flatten(tree)
-    out = dp_noise_p.bind(*leaves, key, stddev=stddev, batch_ndim=0)
-    return jax.tree.unflatten(treedef, out)
-
-
-# ---------------------------------------------------------------------- private sums
-
-
-def _check_key(what: str, noise_multiplier: float, key) -> None:
-    if key is None and noise_multiplier > 0:
-        raise ValueError(f"{what} adds noise and needs a key (noise_multiplier > 0).")
-
-
-def private_sum(values: Any, *, clip: float, noise_multiplier: float,
-                key: jax.Array | None) -> Any:
-    """Clients → server, privatized: Σ_k clip(v_k) + N(0, (z·clip)²) per coordinate.
-
-    ``values`` is client-placed (a client that should not count must be zeros). The sum
-    has sensitivity ``clip`` under adding or removing one client, so it is one Gaussian
-    release of multiplier z. z = 0 adds no noise (not private; ``key`` may be None).
-    Differentiable in ``values`` (the noise has derivative zero).
-    """
-    clip = _positive("private_sum clip", clip)
-    z = _non_negative("private_sum noise_multiplier", noise_multiplier)
-    _check_key("private_sum", z, key)
-    total = fed.sum(dp_clip(values, clip))
-    return total if key is None else dp_noise(total, z * clip, key)
-
-
-def private_broadcast(x: Any, n: int, *, clip: float, noise_multiplier: float,
-                      key: jax.Array | None) -> Any:
-    """``fed.broadcast(x, n)`` whose reverse-mode derivative is a private sum.
-
-    The backward pass receives one cotangent per client; it clips each to L2 norm
-    ``clip``, sums them with ``fed.sum`` and adds N(0, (z·clip)²) from ``key``
-    (:func:`private_sum`): one Gaussian release of multiplier z instead of the plain
-    transposed broadcast. Reverse mode only (a ``custom_vjp``): forward-mode tangents go
-    server → client and need no privacy. ``x`` must be float-valued.
-    """
-    clip = _positive("private_broadcast clip", clip)
-    z = _non_negative("private_broadcast noise_multiplier", noise_multiplier)
-    _check_key("private_broadcast", z, key)
-    if not all(jnp.issubdtype(jnp.result_type(a), jnp.inexact) for a in jax.tree.leaves(x)):
-        raise TypeError("private_broadcast places float values only (an integer value has "
-                        "no cotangent); broadcast it with fedax.federated.broadcast.")
-
-    @jax.custom_vjp
-    def place(x, key):
-        del key
-        return fed.broadcast(x, n)
-
-    def forward(x, key):
-        return fed.broadcast(x, n), key
-
-    def backward(key, cotangent):
-        return private_sum(cotangent, clip=clip, noise_multiplier=z, key=key), None
-
-    place.defvjp(forward, backward)
-    return place(x, key)
-
-
-def _noise_on_the_way_back(tree: Any, stddev: float, key: jax.Array | None) -> Any:
-    """Identity (server side) whose backward pass adds N(0, stddev²) to the cotangent."""
-
-    @jax.custom_vjp
-    def identity(tree, key):
-        del key
-        return tree
-
-    def forward(tree, key):
-        return tree, key
-
-    def backward(key, cotangent):
-        return (cotangent if key is None else dp_noise(cotangent, stddev, key)), None
-
-    identity.defvjp(forward, backward)
-    return identity(tree, key)
-
-
-def _clip_on_the_way_back(tree: Any, clip: float) -> Any:
-    """Identity (one client, inside ``map_clients``) whose backward pass clips the
-    cotangent to L2 norm ``clip``."""
-
-    @jax.custom_vjp
-    def identity(tree):
-        return tree
-
-    def backward(_, cotangent):
-        return (dp_clip(cotangent, clip, client_placed=False),)
-
-    identity.defvjp(lambda tree: (tree, None), backward)
-    return identity(tree)
-
-
-def privatize_payload(pieces: RoundPieces, *, clip: float, noise_multiplier: float,
-                      key: jax.Array | None) -> RoundPieces:
-    """``pieces`` whose payload broadcast transposes into a private sum (reverse mode).
-
-    The round is unchanged; in its derivative, each client clips its cotangent w.r.t. the
-    payload to ``clip`` (inside ``map_clients``), the transposed broadcast sums the
-    clipped cotangents, and the server adds N(0, (z·clip)²) from ``key`` (use a fresh key
-    per round; see :func:`with_private_payload`). +1 release per round on the train cohort.
-    Reverse mode only.
-    """
-    clip = _positive("privatize_payload clip", clip)
-    z = _non_negative("privatize_payload noise_multiplier", noise_multiplier)
-    _check_key("privatize_payload", z, key)
-
-    def payload(server):
-        return _noise_on_the_way_back(pieces.payload(server), z * clip, key)
-
-    def client_update(payload, *rest):  # rest: state, batches, n_k (and a key if keyed)
-        return pieces.client_update(_clip_on_the_way_back(payload, clip), *rest)
-
-    return pieces._replace(payload=payload, client_update=client_update)
-
-
-def with_private_payload(algorithm: FederatedAlgorithm, *, clip: float,
-                         noise_multiplier: float) -> FederatedAlgorithm:
-    """``algorithm`` (composed of ``RoundPieces``) whose rounds privatize the payload's
-    transposed broadcast (:func:`privatize_payload`), each round with its own key split from
-    the round key; the round's other key is the algorithm's. For hypergradients through
-    several rounds (reverse mode), where the cotangent of x_t reaches the train clients.
-    Give every round its own key (``fedax.hyper.loss_after_rounds`` passes one key to every
-    round: it would repeat the noise)."""
-    if algorithm.pieces is None:
-        raise ValueError("with_private_payload needs an algorithm composed of RoundPieces "
-                         "(algorithm.pieces is None).")
-    pieces = algorithm.pieces
-    _positive("with_private_payload clip", clip)
-    _non_negative("with_private_payload noise_multiplier", noise_multiplier)
-
-    def round_fn(state, cohort, key):
-        round_key, payload_key = jax.random.split(key)
-        private = privatize_payload(pieces, clip=clip, noise_multiplier=noise_multiplier,
-                                    key=payload_key)
-        table = None if state.clients is None else jax.tree.leaves(state.clients)[0].shape[0]
-        return compose(private, table).round(state, cohort, round_key)
-
-    return FederatedAlgorithm(algorithm.init, round_fn, algorithm.server_params, pieces)
-
 
 # ------------------------------------------------------------------- the holdout loss
 
@@ -624,99 +340,9 @@ def extra_releases_per_round(mode: Mode, *, hyperparameters: int = 1,
             "privatize tangents); use mode='reverse' with with_private_payload.")
     return hyperparameters + int(bool(release_loss))
 
-
-# ------------------------------------------------------------------------------ the audit
-
-
-class SumAudit(NamedTuple):
-    """One ``federated_sum`` of a jaxpr.
-
-    Attributes:
-      shape: the operand's shape (clients axis first).
-      derivative: traced in a transpose (reverse mode's derivative program).
-      private: operand from ``federated_dp_clip``, result only into ``federated_dp_noise``
-        with stddev > 0.
-      noise_multiplier: stddev/clip when private, else None.
-      name_stack: where JAX traced it.
-    """
-
-    shape: tuple[int, ...]
-    derivative: bool
-    private: bool
-    noise_multiplier: float | None
-    name_stack: str
-
-
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(sub, "jaxpr", sub)
-            if isinstance(inner, jax.extend.core.Jaxpr):
-                yield inner
-
-
-def _audit(jaxpr, in_derivative: bool, found: list[SumAudit]) -> None:
-    producer, consumers = {}, {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            producer[v] = eqn
-        for v in eqn.invars:
-            if isinstance(v, jax.extend.core.Var):
-                consumers.setdefault(v, []).append(eqn)
-    outputs = {v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var)}
-    for eqn in jaxpr.eqns:
-        stack = str(eqn.source_info.name_stack)
-        derivative = in_derivative or "transpose(" in stack
-        # A collect uploads every client's value apart: never private under this audit.
-        if eqn.primitive.name in ("federated_sum", "federated_collect"):
-            operand, result = eqn.invars[0], eqn.outvars[0]
-            source = producer.get(operand) if isinstance(operand, jax.extend.core.Var) \
-                else None
-            uses = consumers.get(result, [])
-            multiplier = None
-            if (source is not None and source.primitive.name == CLIP_PRIMITIVE
-                    and result not in outputs and uses
-                    and all(u.primitive.name == NOISE_PRIMITIVE for u in uses)):
-                stddevs = {u.params["stddev"] for u in uses}
-                if min(stddevs) > 0:
-                    multiplier = min(stddevs) / source.params["clip"]
-            found.append(SumAudit(tuple(operand.aval.shape), derivative, multiplier is not None,
-                                  multiplier, stack))
-        for sub in _sub_jaxprs(eqn):
-            _audit(sub, derivative, found)
-
-
-def audit_sums(jaxpr: Any) -> list[SumAudit]:
-    """Every ``federated_sum`` (and ``federated_collect``) of ``jaxpr`` (a
-    ``jax.make_jaxpr`` result), nested jaxprs included, with whether it is in the derivative
-    program and whether it is private (see the module docstring: dataflow from
-    ``federated_dp_clip`` into ``federated_dp_noise``)."""
-    found: list[SumAudit] = []
-    _audit(getattr(jaxpr, "jaxpr", jaxpr), False, found)
-    return found
-
-
-def unprivatized_sums(jaxpr: Any, *, derivative_only: bool = True) -> list[SumAudit]:
-    """The sums of :func:`audit_sums` that are not private (in the derivative program only,
-    by default): empty means no client → server sum there bypasses clip and noise."""
-    return [s for s in audit_sums(jaxpr) if not s.private and
-            (s.derivative or not derivative_only)]
-
-
 __all__ = [
-    "CLIP_PRIMITIVE",
-    "NOISE_PRIMITIVE",
     "HoldoutPrivacy",
-    "SumAudit",
-    "audit_sums",
-    "dp_clip",
-    "dp_noise",
     "extra_releases_per_round",
-    "private_broadcast",
     "private_federated_loss",
     "private_learned_server_lr",
-    "private_sum",
-    "privatize_payload",
-    "unprivatized_sums",
-    "with_private_payload",
 ]

@@ -21,17 +21,11 @@ from fedax.simulation.checkpoint import (
 )
 from fedax.simulation.client_state import ClientStateStore
 from fedax.simulation.cohorts import cohort_batches
-from fedax.simulation.evaluation import ClientScores, make_client_evaluator
+from fedax.simulation.evaluation import ClientScores, make_client_evaluator, make_evaluator
 from fedax.simulation.execution import Execution, choose_execution, use_execution
+from fedax.simulation.history import DivergenceError, History, RunInterrupted, rounds_to_target
 from fedax.simulation.population import run_population
-from fedax.simulation.runner import (
-    DivergenceError,
-    History,
-    RunInterrupted,
-    make_evaluator,
-    rounds_to_target,
-    run,
-)
+from fedax.simulation.runner import run
 from fedax.simulation.sources import (
     CohortSource,
     HostCohorts,

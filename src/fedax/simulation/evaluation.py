@@ -1,4 +1,5 @@
-"""Per-client evaluation: the model on every client's own test data, and the distribution.
+"""Evaluation on a test set: the model on the pooled test set (``make_evaluator``), and on
+every client's own test data with the distribution over clients (``make_client_evaluator``).
 
 FedAvg's mean accuracy can hide clients the model fails: with non-IID data the worst
 clients matter (subpopulation-robust objectives ask exactly about them). ``make_client_
@@ -30,6 +31,55 @@ import jax.numpy as jnp
 import numpy as np
 
 PERCENTILES = (10, 25, 50, 75, 90)
+
+
+def make_evaluator(
+    apply_fn: Callable[[Any, jax.Array], jax.Array],
+    x: np.ndarray,
+    y: np.ndarray,
+    chunk: int = 1000,
+    pad_id: int = 0,
+) -> Callable[[Any], tuple[float, float]]:
+    """A compiled ``evaluate(params) -> (accuracy, mean cross-entropy)`` over a test set.
+
+    The test set is padded to a multiple of ``chunk`` and scanned chunk by chunk with a
+    mask, so memory is one chunk's activations. Sequence labels ``y [N, T]`` (next-token
+    prediction) are scored per token, and targets equal to ``pad_id`` count for nothing.
+    """
+    n = len(y)
+    sequence = y.ndim > 1
+    total = float(np.sum(y != pad_id)) if sequence else float(n)
+    chunks = math.ceil(n / chunk)
+    pad = chunks * chunk - n
+    xs = jnp.asarray(np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)]))
+    ys = jnp.asarray(np.concatenate([y, np.zeros((pad, *y.shape[1:]), y.dtype)])
+                     .astype(np.int32))
+    mask = jnp.asarray(np.arange(chunks * chunk) < n, jnp.float32)
+    xs = xs.reshape(chunks, chunk, *x.shape[1:])
+    ys, mask = ys.reshape(chunks, chunk, *y.shape[1:]), mask.reshape(chunks, chunk)
+
+    # The test set is an argument, not a closed-over constant: XLA compiles a program with
+    # a large embedded constant far more slowly.
+    @jax.jit
+    def evaluate(params, xs, ys, mask):
+        def body(carry, batch):
+            bx, by, bm = batch
+            logits = apply_fn(params, bx)
+            logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+            nll = -jnp.take_along_axis(logp, by[..., None], axis=-1)[..., 0]
+            correct = (jnp.argmax(logits, axis=-1) == by).astype(jnp.float32)
+            if sequence:
+                bm = bm[:, None] * (by != pad_id)
+            return (carry[0] + jnp.sum(correct * bm), carry[1] + jnp.sum(nll * bm)), None
+
+        (correct, nll), _ = jax.lax.scan(body, (0.0, 0.0), (xs, ys, mask))
+        return correct / total, nll / total
+
+    def run(params):
+        acc, loss = evaluate(params, xs, ys, mask)
+        return float(acc), float(loss)
+
+    return run
 
 
 class ClientScores(NamedTuple):

@@ -37,7 +37,8 @@ from fedax.algorithms import FederatedAlgorithm
 from fedax.data.virtual_population import VirtualPopulation
 from fedax.simulation.client_state import ClientStateStore
 from fedax.simulation.execution import Execution, choose_execution
-from fedax.simulation.runner import Callback, History, run
+from fedax.simulation.history import Callback, History
+from fedax.simulation.runner import run
 from fedax.simulation.sources import PopulationSource
 
 PopulationHistory = History

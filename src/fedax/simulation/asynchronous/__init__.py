@@ -15,16 +15,9 @@ from fedax.simulation.asynchronous.clock import (
     block_durations,
     fedbuff_staleness,
 )
-from fedax.simulation.asynchronous.fedbuff import (
-    WEIGHTINGS,
-    AsyncConfig,
-    AsyncHistory,
-    SynchronousClock,
-    fedasync,
-    fedbuff,
-    run_async,
-    run_synchronous,
-)
+from fedax.simulation.asynchronous.config import WEIGHTINGS, AsyncConfig
+from fedax.simulation.asynchronous.fedbuff import AsyncHistory, fedasync, fedbuff, run_async
+from fedax.simulation.asynchronous.synchronous import SynchronousClock, run_synchronous
 
 __all__ = [
     "LATENCY_KINDS",

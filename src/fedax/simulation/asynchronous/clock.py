@@ -1,4 +1,5 @@
-"""The virtual clock of asynchronous simulation: client latencies and staleness weights.
+"""The virtual clock of asynchronous simulation: client latencies, staleness weights, and
+the blocks of client trips (``TripBlocks``).
 
 Latencies follow FLSim's training-duration distributions
 (``flsim/utils/timing/training_duration_distribution.py``; docs/references.md,
@@ -39,6 +40,8 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+
+from fedax.simulation.sources import PartitionSource
 
 LATENCY_KINDS = ("constant", "half_normal", "uniform", "exponential", "per_example_gaussian")
 STALENESS_KINDS = ("constant", "polynomial", "threshold")
@@ -158,3 +161,29 @@ class Staleness(NamedTuple):
 def fedbuff_staleness() -> Staleness:
     """FedBuff's s(τ) = 1/√(1 + τ) (polynomial, a = 0.5)."""
     return Staleness("polynomial", 0.5)
+
+
+class TripBlocks:
+    """The source's blocks of C trips (round b's cohort and durations, as the module
+    docstring describes), cached: FedBuff's trips and ``SynchronousClock``'s rounds."""
+
+    def __init__(self, source: PartitionSource, latency: Latency, seed: int):
+        self.source, self.latency, self.seed = source, latency, seed
+        self.cache: dict[int, tuple] = {}
+
+    def get(self, block: int) -> tuple:
+        if block not in self.cache:
+            data = self.source.round_data(block, 1)
+            idx, mask = data.sharded
+            n, ids = data.plain
+            real = data.real
+            durations = block_durations(self.latency, self.seed, block, n[:real])
+            self.cache[block] = (idx[:real], mask[:real], n[:real], ids[:real], durations)
+        return self.cache[block]
+
+    def size(self) -> int:
+        return len(self.get(0)[2])
+
+    def forget_below(self, block: int) -> None:
+        for b in [b for b in self.cache if b < block]:
+            del self.cache[b]

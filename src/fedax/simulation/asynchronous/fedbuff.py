@@ -1,5 +1,5 @@
-"""Asynchronous buffered aggregation on a virtual clock: FedBuff, FedAsync, and synchronous
-FedAvg measured on the same clock.
+"""Asynchronous buffered aggregation on a virtual clock: FedBuff and FedAsync (synchronous
+FedAvg measured on the same clock: ``fedax.simulation.asynchronous.synchronous``).
 
 FedBuff (Nguyen et al., AISTATS 2022, arXiv 2106.06639; FLSim's ``FedBuffAggregator``;
 docs/references.md, asynchronous aggregation). ``concurrency`` M clients train at every moment (a
@@ -23,26 +23,16 @@ arrival is mixed into the current model, x ← (1 − α s(τ)) x + α s(τ) x_i
 aggregated is w_{v'} − w_i (the current model minus the client's local model, FLSim's
 ``fed_async_aggregation``) instead of the client's own Δ_i, and α is the server SGD rate.
 
-Synchronous FedAvg on the same clock (``run_synchronous``): the ordinary runner; round t
-takes the slowest of its C clients' trip durations.
-
 **Same pieces.** Everything runs the algorithm's ``RoundPieces``: ``payload`` and
 ``client_update`` when a client starts, ``server_update`` at every buffer flush. Clients
 that start on the same model version are computed together in one compiled call
 (``map_clients`` over up to K clients, padded to K): a client's update is computed when it
 starts and delivered when its trip ends, held meanwhile in a device pool of M + K rows.
-
-**Aggregators compose as follows.** The aggregator's *client stage* (clipping, an
-indicator bit, encoding) runs on each client when its update is computed, with the
-aggregator state of the version it downloaded, as a real client would. At a flush the
-buffered values are scaled by s(τ_i) (≤ 1, so a clipped update stays within its clip),
-then the aggregator's *reduction* runs over the K buffered values with their weights, and
-its *server stage* (noise, an adaptive clip's update from the buffer's summed client
-statistics) on the result, with the flush's key. So ``chain(clip_norm(S), mean())``, DP's
-``dp_gaussian(S, z, D)`` (use D = K, the buffer's fixed size) and adaptive clipping
-compose; robust reductions see the K buffered values. FedAsync's mixing values are formed
-on the server, so ``mixing=True`` takes no aggregator client stage. DP accounting for
-asynchronous participation is not provided.
+The compiled functions, and how the aggregator's client stage, reduction and server stage
+compose with the buffer (DP's ``dp_gaussian(S, z, D)`` with D = K), are in
+``fedax.simulation.asynchronous.updates``; ``AsyncConfig`` is in
+``fedax.simulation.asynchronous.config``. DP accounting for asynchronous participation is
+not provided.
 
 **Determinism and resume.** Everything depends only on the seed: the clients and their
 shuffles (block b of C trips is ``source.round_data(b)``, the synchronous round b's
@@ -69,79 +59,33 @@ import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedax import federated as fed
-from fedax.algorithms import FederatedAlgorithm, RoundPieces, RoundState, init_state
-from fedax.algorithms.base import client_finite, client_half, keep_clients, server_half
+from fedax.algorithms import FederatedAlgorithm, RoundPieces, init_state
 from fedax.simulation import checkpoint as ckpt
-from fedax.simulation.asynchronous.clock import Latency, Staleness, block_durations
+from fedax.simulation.asynchronous.clock import Latency, Staleness, TripBlocks
+from fedax.simulation.asynchronous.config import AsyncConfig
+from fedax.simulation.asynchronous.updates import check_pieces, update_functions
 from fedax.simulation.execution import Execution, choose_execution, use_execution
-from fedax.simulation.host import compiler_options
-from fedax.simulation.runner import (
+from fedax.simulation.history import (
     Callback,
     DivergenceError,
     History,
     RunInterrupted,
-    check_schedule,
     round_metrics,
     rounds_to_target,
-    run,
 )
+from fedax.simulation.host import compiler_options
+from fedax.simulation.runner import check_schedule
 from fedax.simulation.sources import PartitionSource
 
-WEIGHTINGS = ("algorithm", "equal")
 _TRAINING_STREAM = 0x74726E  # "trn": the clients' own training keys, per trip
 _AGGREGATOR_STREAM = 0x616763  # "agc": the aggregator client stage's keys, per trip
 _UNCOMPUTED, _EMPTY = -1, -2  # pool slot of a trip whose update is not computed / no trip
-
-
-class AsyncConfig(NamedTuple):
-    """FedBuff's (or FedAsync's) server and clock (see the module docstring).
-
-    Attributes:
-      buffer_size: K, updates per server step (1: FedAsync).
-      concurrency: M >= K, clients training at every moment.
-      staleness: s(τ), the weight of an update τ versions old.
-      max_staleness: updates staler than this are dropped and counted (None: never).
-      latency: the trip-duration distribution.
-      weighting: ``algorithm`` (the client's message weight, FedAvg's n_k) or ``equal``
-        (1 per update, FLSim's default).
-      mixing: FedAsync's rule: aggregate w_current − w_local instead of Δ_i.
-    """
-
-    buffer_size: int = 10
-    concurrency: int = 10
-    staleness: Staleness = Staleness()
-    max_staleness: int | None = None
-    latency: Latency = Latency()
-    weighting: str = "algorithm"
-    mixing: bool = False
-
-    def validate(self) -> AsyncConfig:
-        for name in ("buffer_size", "concurrency"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) \
-                    or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
-        if self.concurrency < self.buffer_size:
-            raise ValueError(f"concurrency ({self.concurrency}) must be >= buffer_size "
-                             f"({self.buffer_size}): raise concurrency or lower buffer_size.")
-        if self.max_staleness is not None and (
-                isinstance(self.max_staleness, bool)
-                or not isinstance(self.max_staleness, (int, np.integer))
-                or self.max_staleness < 0):
-            raise ValueError(f"max_staleness must be an int >= 0 or None, got "
-                             f"{self.max_staleness!r}.")
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting {self.weighting!r} is not one of {WEIGHTINGS}.")
-        self.staleness.validate()
-        self.latency.validate()
-        return self
 
 
 def fedbuff(buffer_size: int = 10, concurrency: int = 100, *,
@@ -159,21 +103,6 @@ def fedasync(concurrency: int = 100, *, staleness: Staleness | None = None,
                        max_staleness, latency or Latency(), "equal", True).validate()
 
 
-class Pool(NamedTuple):
-    """Computed updates awaiting delivery, ``[capacity, ...]`` per leaf.
-
-    ``value`` is the update after the aggregator's client stage (with ``mixing``, the
-    client's local model), ``weight`` its weight, ``num_examples`` n_k, ``stats`` the
-    client's statistics, ``aggregator_stats`` its client stage's, ``sums`` its sums."""
-
-    value: Any
-    weight: jax.Array
-    num_examples: jax.Array
-    stats: Any
-    aggregator_stats: Any
-    sums: Any
-
-
 @dataclass
 class AsyncHistory(History):
     """A ``History`` whose records also hold ``virtual_time``, ``client_updates`` (client
@@ -189,23 +118,6 @@ class AsyncHistory(History):
         """``x`` (``virtual_time``, ``client_updates`` or ``round``) at which the best-so-far
         test accuracy first reaches ``target``, interpolated (McMahan et al.'s reading)."""
         return rounds_to_target(self.column(x), self.column("test_accuracy"), target)
-
-
-def _check_pieces(algorithm: FederatedAlgorithm | RoundPieces, config: AsyncConfig):
-    pieces = algorithm.pieces if isinstance(algorithm, FederatedAlgorithm) else algorithm
-    if pieces is None:
-        raise ValueError("asynchronous simulation needs an algorithm composed of RoundPieces "
-                         "(algorithm.pieces is None); use fedavg, fedprox or a FedOpt name.")
-    if pieces.client_state is not None:
-        raise ValueError("asynchronous simulation keeps no per-client state; use an algorithm "
-                         "without it (not scaffold).")
-    if pieces.reweigh is not None:
-        raise ValueError("asynchronous simulation cannot reweigh a cohort (learned client "
-                         "weights need the whole cohort); drop client_weights.")
-    if config.mixing and pieces.aggregator.client is not None:
-        raise ValueError("mixing (FedAsync) forms each value on the server, so it takes no "
-                         "aggregator client stage; use a plain reduction such as mean().")
-    return pieces
 
 
 def _host_template(config: AsyncConfig) -> dict[str, np.ndarray]:
@@ -228,31 +140,6 @@ def _host_template(config: AsyncConfig) -> dict[str, np.ndarray]:
         "record_tau_max": np.zeros((), i64), "record_accepted": np.zeros((), i64),
         "update_trips": np.zeros((), i64), "update_rejected": np.zeros((), i64),
     }
-
-
-class _Blocks:
-    """The source's blocks of C trips (round b's cohort and durations), cached."""
-
-    def __init__(self, source: PartitionSource, latency: Latency, seed: int):
-        self.source, self.latency, self.seed = source, latency, seed
-        self.cache: dict[int, tuple] = {}
-
-    def get(self, block: int) -> tuple:
-        if block not in self.cache:
-            data = self.source.round_data(block, 1)
-            idx, mask = data.sharded
-            n, ids = data.plain
-            real = data.real
-            durations = block_durations(self.latency, self.seed, block, n[:real])
-            self.cache[block] = (idx[:real], mask[:real], n[:real], ids[:real], durations)
-        return self.cache[block]
-
-    def size(self) -> int:
-        return len(self.get(0)[2])
-
-    def forget_below(self, block: int) -> None:
-        for b in [b for b in self.cache if b < block]:
-            del self.cache[b]
 
 
 def _identity(init_params, execution, source, config, fingerprint, **arguments):
@@ -320,7 +207,7 @@ def run_async(
       ``AsyncHistory`` (records, final ``RoundState``, trace).
     """
     config = config.validate()
-    pieces = _check_pieces(algorithm, config)
+    pieces = check_pieces(algorithm, config)
     if server_updates < 1:
         raise ValueError(f"server_updates must be >= 1, got {server_updates}.")
     check_schedule(eval_every, checkpoint_every, resume, checkpoint_dir)
@@ -343,105 +230,17 @@ def run_async(
                              server_updates=server_updates, seed=seed, eval_every=eval_every,
                              target_accuracy=target_accuracy, stop_at_target=stop_at_target)
 
-    blocks = _Blocks(source, config.latency, seed)
+    blocks = TripBlocks(source, config.latency, seed)
     cohort_size = blocks.size()
     home = jax.devices()[0]
     placed = source.place(home)
-    aggregator = pieces.aggregator
     base_key = jax.random.key(seed)
     streams = (jax.random.fold_in(base_key, _TRAINING_STREAM),
                jax.random.fold_in(base_key, _AGGREGATOR_STREAM))
 
     # ---------------------------------------------------------------- compiled pieces
 
-    def compute(state: RoundState, placed, idx, mask, num_examples, client_ids, trips,
-                streams):
-        """The update of each trip in a chunk, all on the current model (client-placed).
-        ``streams``: the training and aggregator key streams (arguments, not constants, so
-        that runs with other seeds compile to the same program)."""
-        train_stream, aggregator_stream = streams
-        cohort = source.cohort(placed, (idx, mask), (num_examples, client_ids), None)
-        size = num_examples.shape[0]
-        payload = pieces.payload(state.server)
-        at_clients = fed.broadcast(payload, size)
-        extra = ()
-        if pieces.keyed:
-            extra = (jax.vmap(lambda j: jax.random.key_data(
-                jax.random.fold_in(train_stream, j)))(trips),)
-
-        def one(p, b, n, *raw):
-            return client_half(pieces, p, None, b, n, *raw)
-
-        message = fed.map_clients(one, at_clients, cohort.batches, cohort.num_examples,
-                                  *extra)
-        finite = client_finite((message.update, message.stats, message.sums))
-        real = cohort.num_examples > 0
-        if config.weighting == "equal":
-            weights = real.astype(jnp.float32)
-        else:
-            weights = message.weight
-        weights = jnp.where(finite, weights, 0)
-        values = keep_clients(message.update, finite)
-        aggregator_stats = ()
-        if config.mixing:  # FedAsync: keep the client's local model w_v − Δ_i
-            model = fed.broadcast(pieces.server_params(state.server), size)
-            values = keep_clients(jax.tree.map(jnp.subtract, model, values), finite)
-        elif aggregator.client is not None:
-            keys = jax.vmap(lambda j: jax.random.key_data(
-                jax.random.fold_in(aggregator_stream, j)))(trips)
-            stateful = bool(jax.tree.leaves(state.aggregator))
-            at = (fed.broadcast(state.aggregator, size),) if stateful else ()
-
-            def client_stage(v, w, raw, *s):
-                return aggregator.client(v, w, s[0] if stateful else state.aggregator,
-                                         jax.random.wrap_key_data(raw))
-
-            values, weights, aggregator_stats = fed.map_clients(
-                client_stage, values, weights, keys, *at)
-        out = Pool(values, weights, cohort.num_examples, message.stats, aggregator_stats,
-                   keep_clients(message.sums, finite) if jax.tree.leaves(message.sums)
-                   else message.sums)
-        return out, finite & real
-
-    def compute_into(state, pool, placed, idx, mask, num_examples, client_ids, trips, streams,
-                     slots):
-        out, finite = compute(state, placed, idx, mask, num_examples, client_ids, trips,
-                              streams)
-        pool = jax.tree.map(lambda table, new: table.at[slots].set(new, mode="drop"),
-                            pool, out)
-        return pool, finite
-
-    def server_step(state: RoundState, pool: Pool, slots, taus, key):
-        """One server update from the K buffered updates (``slots`` into the pool)."""
-
-        def take(leaf):
-            return leaf[slots]
-
-        values = jax.tree.map(take, pool.value)
-        weights = take(pool.weight)
-        num_examples = take(pool.num_examples)
-        scale = config.staleness.weights(taus)
-        if config.mixing:  # w_current − w_local
-            current = fed.broadcast(pieces.server_params(state.server), k)
-            values = jax.tree.map(jnp.subtract, current, values)
-        if config.staleness.kind != "constant":
-            values = jax.tree.map(
-                lambda v: v * scale.reshape((k,) + (1,) * (v.ndim - 1)).astype(v.dtype),
-                values)
-        stats = None
-        if aggregator.client is not None:  # ran at each update's computation (``compute``)
-            stats = jax.tree.map(take, pool.aggregator_stats)
-            stats = fed.sum(stats) if jax.tree.leaves(stats) else None
-        sums = jax.tree.map(take, pool.sums)
-        state, metrics = server_half(
-            pieces, state, values, weights, {n: take(s) for n, s in pool.stats.items()},
-            sums, num_examples, key, staged=True, staged_stats=stats)
-        metrics["mean_staleness_weight"] = jnp.mean(scale)
-        new_params = pieces.server_params(state.server)
-        metrics["server_finite"] = jnp.all(jnp.stack([
-            jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(new_params)
-            if jnp.issubdtype(leaf.dtype, jnp.inexact)]))
-        return state, metrics
+    compute, compute_into, server_step = update_functions(pieces, source, config)
 
     # ---------------------------------------------------------------- host clock
 
@@ -692,51 +491,4 @@ def run_async(
     return history
 
 
-# -------------------------------------------------------------- synchronous on the clock
-
-
-class SynchronousClock:
-    """Virtual time of synchronous rounds: round t starts when round t − 1 ends and lasts
-    its slowest client's trip, ``max_k d_{t,k}`` (block t's durations, the same draws as
-    the asynchronous clock's trips ``t·C ... t·C + C − 1``)."""
-
-    def __init__(self, source: PartitionSource, latency: Latency, seed: int):
-        self.blocks = _Blocks(source, latency.validate(), seed)
-        self.ends: list[float] = [0.0]
-        self.cohort = self.blocks.size()
-
-    def time(self, rounds: int) -> float:
-        """Virtual time at the end of round ``rounds`` (1-based count of rounds done)."""
-        while len(self.ends) <= rounds:
-            t = len(self.ends) - 1
-            durations = self.blocks.get(t)[4]
-            self.ends.append(self.ends[-1] + float(durations.max()))
-            self.blocks.forget_below(t + 1)
-        return self.ends[rounds]
-
-    def fields(self, rounds: int) -> dict[str, Any]:
-        return {"virtual_time": self.time(rounds), "client_updates": rounds * self.cohort}
-
-
-def run_synchronous(
-    algorithm: FederatedAlgorithm,
-    init_params: Any,
-    source: PartitionSource,
-    evaluate: Callable[[Any], Any] | None,
-    latency: Latency,
-    *,
-    rounds: int,
-    seed: int = 0,
-    **kwargs: Any,
-) -> AsyncHistory:
-    """Synchronous rounds (``fedax.simulation.run``) with each record's ``virtual_time``
-    (``SynchronousClock``: a round waits for its slowest client) and ``client_updates``
-    (C per round). ``kwargs`` go to ``run`` (eval_every, checkpoints, execution, ...)."""
-    if not isinstance(source, PartitionSource):
-        raise ValueError("run_synchronous needs a PartitionSource, got "
-                         f"{type(source).__name__}.")
-    clock = SynchronousClock(source, latency, seed)
-    history = run(algorithm, init_params, source, evaluate, rounds=rounds, seed=seed,
-                  record_fields=clock.fields, **kwargs)
-    return AsyncHistory(history.records, history.state, history.resumed_from,
-                        history.round_times)
+__all__ = ["AsyncHistory", "fedasync", "fedbuff", "run_async"]
