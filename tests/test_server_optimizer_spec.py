@@ -453,5 +453,6 @@ def test_a_misplaced_server_key_is_one_line_from_fedax_run(tmp_path):
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
         "fedax: error: config key 'server.b1': server optimizer 'sgd' (the default; choose one"
-        " with server.optimizer) has no hyperparameter 'b1'; allowed: optimizer, lr"]
+        " with server.optimizer) has no hyperparameter 'b1'; allowed: optimizer, lr (remove it,"
+        " or --set server.b1=null)"]
     assert not (tmp_path / "run").exists()

@@ -144,8 +144,8 @@ def _resolve_server(algorithm: str, server: BaseModel,
     try:
         name = spec.server_optimizer_name(server.optimizer)
     except ValueError as err:
-        raise _KeyedError("server.optimizer", f"{err} (--set server.optimizer=null unsets "
-                                              "it)") from None
+        raise _KeyedError("server.optimizer", f"{err} (--set server.optimizer=null leaves "
+                                              "it out)") from None
     given = {k: v for k, v in server.model_dump().items() if k != "optimizer" and v is not None}
     if given.get("lr") == "learned":
         given.pop("lr")  # resolved at its initial value (learned_lr.init, else the default)
@@ -158,7 +158,7 @@ def _resolve_server(algorithm: str, server: BaseModel,
                    "" if server.optimizer else " (the default; choose one with server.optimizer)")
             raise _KeyedError(f"server.{key}", f"server optimizer {name!r}{how} has no"
                                              f" hyperparameter {key!r}; allowed: {allowed}"
-                                             f" (--set server.{key}=null unsets it)")
+                                             f" (remove it, or --set server.{key}=null)")
     try:
         return resolve_server_optimizer(name, **given)
     except ServerOptimizerError as err:
