@@ -186,6 +186,13 @@ def _write_setup(out: Path, args, aggregator) -> None:
     (out / "task.json").write_text(json.dumps(json.loads(task.to_json()), indent=1) + "\n")
 
 
+def _server_address(parser) -> None:
+    """The options that say where a server is and how to trust it."""
+    parser.add_argument("--server", required=True, help="host:port")
+    parser.add_argument("--ca", required=True, help="CA certificate (PEM)")
+    parser.add_argument("--server-name", help="host name to expect in the certificate")
+
+
 def _server_config(args):
     from fedax.runtime import ServerConfig
 
@@ -347,17 +354,13 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
 
     status = server_sub.add_parser("status", parents=[common],
                                    help="a running server's state (health check)")
-    status.add_argument("--server", required=True, help="host:port")
-    status.add_argument("--ca", required=True, help="CA certificate (PEM)")
-    status.add_argument("--server-name", help="host name to expect in the certificate")
+    _server_address(status)
     status.add_argument("--timeout-s", type=float, default=5.0)
     status.set_defaults(func=cmd_server_status)
 
     client = sub.add_parser("client", parents=[common],
                             help="a networked runtime client on its own data")
-    client.add_argument("--server", required=True, help="host:port")
-    client.add_argument("--ca", required=True, help="CA certificate (PEM)")
-    client.add_argument("--server-name", help="host name to expect in the certificate")
+    _server_address(client)
     client.add_argument("--id", type=int, required=True, help="this client's id")
     client.add_argument("--token-file", required=True)
     client.add_argument("--data", required=True, help="an .npz with this client's x and y")

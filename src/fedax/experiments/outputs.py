@@ -153,17 +153,7 @@ def save_figure(fig, path: Path) -> None:
 def plot_curves(curves: dict[str, History], path: Path, target: float | None = None,
                 title: str | None = None) -> None:
     """Writes ``accuracy_figure(curves, target, title)`` as a PNG, atomically."""
-    import io
-
-    import matplotlib.pyplot as plt
-
-    fig = accuracy_figure(curves, target, title)
-    buffer = io.BytesIO()
-    try:
-        fig.savefig(buffer, format="png", dpi=120)
-    finally:
-        plt.close(fig)
-    write_atomic(path, buffer.getvalue())
+    save_figure(accuracy_figure(curves, target, title), path)
 
 
 class JsonlWriter:
