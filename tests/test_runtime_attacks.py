@@ -365,7 +365,9 @@ def test_an_unselected_clients_report_is_refused_before_its_body_is_read(pki):
         reply = other.submit(forged, chunks=big())
         assert not reply.accepted and reply.reason.startswith("not-selected")
         assert server._bytes["in"] == 0  # refused before a byte of the body
-        assert pulled[0] <= 3  # gRPC's own send window, not the report
+        # the client's gRPC may queue a few pieces before the refusal reaches it (its own
+        # buffers, not the server's reads); never the whole report
+        assert pulled[0] < 40
         # the selected client: empty non-final chunks are refused at the first one
         empties = [0]
 
