@@ -116,6 +116,16 @@ def _run(task, pki, makers, rounds=1, key=None, **config):
     return server, stubs
 
 
+def _await_task(conn, tries=100):
+    """Poll until the server hands ``conn``'s client its task (bounded); the task."""
+    for _ in range(tries):
+        env = conn.poll()
+        if env.kind == "task":
+            return env
+        time.sleep(0.05)
+    raise AssertionError(f"client {conn.client_id} got no task in {tries} polls")
+
+
 def _flat(tree):
     return np.concatenate([np.ravel(np.asarray(a)) for a in jax.tree.leaves(tree)])
 
@@ -344,13 +354,7 @@ def test_an_unselected_clients_report_is_refused_before_its_body_is_read(pki):
     try:
         selected.join()
         other.join()
-        env = selected.poll()
-        for _ in range(100):
-            if env.kind == "task":
-                break
-            time.sleep(0.05)
-            env = selected.poll()
-        assert env.kind == "task"
+        env = _await_task(selected)
         pulled = [0]
         piece = b"\0" * (1 << 20)
 
@@ -398,13 +402,8 @@ def test_chunk_size_is_negotiated_at_join(pki):
                       timeout_s=20.0, max_chunk_bytes=1 << 20)
     try:
         assert conn.join().chunk_bytes == 1 << 20
-        env = conn.poll()
-        for _ in range(100):
-            if env.kind == "task":
-                break
-            time.sleep(0.05)
-            env = conn.poll()
-        assert env.kind == "task" and sum(len(t.data) for t in env.tensors) > 2_000_000
+        env = _await_task(conn)
+        assert sum(len(t.data) for t in env.tensors) > 2_000_000
     finally:
         conn.close()
         server.stop()

@@ -810,6 +810,16 @@ def _refusals(live: Live) -> int:
     return sum(live.server.rejections.counts.values())
 
 
+def assert_verdict(reply: Any, err: Any, expected: str | None) -> None:
+    """The call ended without a gRPC error, accepted (or late) when ``expected`` is None,
+    else refused with the reason kind ``expected``."""
+    assert err is None, (err.code(), err.details())
+    if expected is None:
+        assert reply.accepted or assert_refused(reply) == "late", reply
+    else:
+        assert_refused(reply, {expected})
+
+
 def check_submit(live: Live, items: list[bytes], task: Any) -> None:
     expected = expected_submit(live, items, task)
     event(f"expected {expected or 'accepted or bounds'}")
@@ -822,11 +832,7 @@ def check_submit(live: Live, items: list[bytes], task: Any) -> None:
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (err.code(), err.details())
         assert err.details()
         return
-    assert err is None, (err.code(), err.details())
-    if expected is None:
-        assert reply.accepted or assert_refused(reply) == "late", reply
-    else:
-        assert_refused(reply, {expected})
+    assert_verdict(reply, err, expected)
 
 
 @pytest.fixture
@@ -949,11 +955,7 @@ def test_submit_with_random_report_headers(joined, data):
     if err is not None and _metadata_bytes(meta) > 7000:  # near gRPC's 8 KiB soft limit
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details()
         return
-    assert err is None, (err.code(), err.details())
-    if expected is None:
-        assert reply.accepted or assert_refused(reply) == "late", reply
-    else:
-        assert_refused(reply, {expected})
+    assert_verdict(reply, err, expected)
 
 
 @LIVE

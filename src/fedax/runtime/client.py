@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import logging
 import os
 import tempfile
@@ -48,7 +47,7 @@ import grpc
 import numpy as np
 
 from fedax.runtime import wire
-from fedax.runtime.security import ClientTLS, Problem, metadata, probe
+from fedax.runtime.security import ClientTLS, Problem, key_words, metadata, probe
 
 log = logging.getLogger("fedax.runtime.client")
 
@@ -189,8 +188,7 @@ def local_batches(x: np.ndarray, y: np.ndarray, local_epochs: int, batch_size: f
 def train_key(secret: bytes, t: int) -> np.ndarray:
     """Raw threefry key data for round t from a client's secret: the first 8 bytes of
     SHA-256(secret ‖ t as 8 bytes)."""
-    digest = hashlib.sha256(secret + int(t).to_bytes(8, "little")).digest()
-    return np.frombuffer(digest[:8], np.uint32).copy()
+    return key_words(secret + int(t).to_bytes(8, "little"))
 
 
 def load_or_make_secret(path: Path) -> bytes:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 CLIENT_ID_KEY = "fedax-client-id"
 TOKEN_KEY = "fedax-token"
 
@@ -116,6 +118,12 @@ class Registry:
         if entry[1]:
             return None, f"client {cid} is revoked"
         return cid, ""
+
+
+def key_words(material: bytes) -> np.ndarray:
+    """Threefry key data (two uint32 words) from secret ``material``: the first 8 bytes of
+    its SHA-256. JAX's key holds 64 bits; the secret behind it may hold more."""
+    return np.frombuffer(hashlib.sha256(material).digest()[:8], np.uint32).copy()
 
 
 def metadata(client_id: int, token: str) -> tuple[tuple[str, str], ...]:

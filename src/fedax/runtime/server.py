@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedax.aggregators import round_keys
 from fedax.algorithms.records import dumps, strict_json
 from fedax.runtime import store, wire
 from fedax.runtime.checks import ReportChecks
@@ -73,7 +74,6 @@ from fedax.runtime.security import Registry, ServerTLS
 from fedax.runtime.task import (
     Report,
     Task,
-    aggregator_client_keys,
     build,
     key_from_secret,
     report_template,
@@ -278,7 +278,7 @@ class Server:
         tensors = wire.encode_tree(store.raw({"payload": payload}))
         shared = wire.Envelope(tensors=tensors).SerializeToString()
         version = hashlib.sha256(shared).hexdigest()[:16]
-        keys = np.asarray(aggregator_client_keys(round_key(self._key, t), count))
+        keys = np.asarray(round_keys(round_key(self._key, t), count)[0])
         now = time.monotonic()
         with self._lock:
             self._bytes = {"in": 0, "out": 0}

@@ -42,13 +42,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from fedax.aggregators import round_keys
 from fedax.algorithms import ALGORITHMS, RoundPieces, RoundState, init_state
 from fedax.algorithms.base import client_half, server_half
 from fedax.client import Batches
 from fedax.models import get_model, softmax_cross_entropy
+from fedax.runtime.security import key_words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,14 +295,7 @@ def round_key(key: jax.Array, t: int) -> jax.Array:
 def key_from_secret(secret: bytes) -> jax.Array:
     """The server's JAX key from its 32-byte secret: the first 8 bytes of SHA-256(secret)
     as threefry key data (JAX's key holds 64 bits; the secret itself keeps 256)."""
-    words = np.frombuffer(hashlib.sha256(secret).digest()[:8], np.uint32)
-    return jax.random.wrap_key_data(words.copy(), impl="threefry2x32")
-
-
-def aggregator_client_keys(key: jax.Array, num_selected: int) -> jax.Array:
-    """``[C, ...]`` raw key data of the selected clients' aggregator client stages
-    (``fedax.aggregators.round_keys``, as every engine derives them)."""
-    return round_keys(key, num_selected)[0]
+    return jax.random.wrap_key_data(key_words(secret), impl="threefry2x32")
 
 
 def client_step(pieces: RoundPieces, payload: Any, client_state: Any, batches: Batches,
