@@ -46,13 +46,15 @@ def test_one_round_equals_the_runners_first_round(make_data):
                   client_fraction=FRACTION, local_epochs=EPOCHS, batch_size=BATCH, seed=SEED,
                   execution=execution)
 
-    # Round 0 as the runner draws it: cohort from default_rng([seed, 0]), S for the largest
-    # client, init key fold_in(key(seed), 2**31 - 1), round key fold_in(key(seed), 0);
+    # Round 0 as the runner draws it: cohort from default_rng([seed, 0]) in id order, client
+    # k's shuffles from default_rng([seed, 0, k]), S for the largest client, init key
+    # fold_in(key(seed), 2**31 - 1), round key fold_in(key(seed), 0);
     # compiled with the runner's XLA options (bit-identical then; plain jit differs in rounding).
     rng = np.random.default_rng([SEED, 0])
-    ids = sample_clients(rng, train.num_clients, FRACTION)
+    ids = np.sort(sample_clients(rng, train.num_clients, FRACTION))
     steps = num_local_steps(int(train.sizes.max()), EPOCHS, BATCH)
-    cohort = make_cohort(train, ids, EPOCHS, BATCH, rng, num_steps=steps)
+    cohort = make_cohort(train, ids, EPOCHS, BATCH, rng, num_steps=steps,
+                         client_streams=(SEED, 0))
     base = jax.random.key(SEED)
     with use_execution(execution):
         state = algorithm.init(params, jax.random.fold_in(base, 0x7FFFFFFF))

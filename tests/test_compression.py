@@ -514,9 +514,9 @@ def test_compressed_run_with_error_feedback_resumes_bit_identically(small_mnist,
 
 
 def test_config_compression_section_validates_and_wires():
+    from fedax.experiments.build import build_algorithm
     from fedax.experiments.config import ConfigError, config_to_dict, validate_config
     from fedax.experiments.privacy_plan import privacy_plan
-    from fedax.experiments.run import build_algorithm
     from fedax.models import get_model
 
     base = dict(rounds=1, partition="iid", model="logistic", algorithm="fedavg",

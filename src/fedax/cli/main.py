@@ -143,6 +143,24 @@ def launch_processes(args) -> int:
     return status
 
 
+def _run_network(args, config, out, name):
+    """``execution.mode: network``: a server and ``network.local_clients`` client
+    processes on this machine (``fedax.runtime.launch``); a refused setting or a failed
+    round is one line."""
+    if args.num_processes and args.num_processes > 1:
+        raise CommandError("--num-processes is the simulator's; with execution.mode network "
+                           "the clients are processes already (network.local_clients)", 2)
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    from fedax.runtime.launch import run_network
+    from fedax.runtime.rounds import RoundFailed
+
+    try:
+        return run_network(config, out, progress=not args.no_progress, resume=args.resume,
+                           title=name)
+    except (ValueError, PermissionError, RoundFailed) as err:
+        raise CommandError(f"execution.mode network: {one_line(err)}", 2) from err
+
+
 def cmd_run(args) -> int:
     from fedax.experiments.config import load_config
     from fedax.experiments.outputs import dumps, strict_json
@@ -164,8 +182,11 @@ def cmd_run(args) -> int:
     out, created = claim_out(args, name, config)
     since = time.time()
     try:
-        summary = run_experiment(config, out, progress=not args.no_progress,
-                                 resume=args.resume, title=name)
+        if config.execution.mode == "network":
+            summary = _run_network(args, config, out, name)
+        else:
+            summary = run_experiment(config, out, progress=not args.no_progress,
+                                     resume=args.resume, title=name)
     except BaseException as err:
         remove_if_empty(created)  # only what this command created, if it left nothing there
         if isinstance(err, ResumeError):
@@ -198,7 +219,8 @@ def cmd_run(args) -> int:
     print(dumps(strict_json(shown)[0], indent=2))
     for line in console_lines(summary):
         print(line)
-    print(f"outputs in {out}/ (metrics.jsonl, summary.json, accuracy.png, tensorboard/)")
+    board = "" if config.execution.mode == "network" else ", tensorboard/"
+    print(f"outputs in {out}/ (metrics.jsonl, summary.json, accuracy.png{board})")
     return 0
 
 

@@ -14,6 +14,7 @@ import secrets
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from fedax.experiments.errors import CommandError, ConfigError
 
@@ -74,7 +75,7 @@ def _aggregator_spec(text: str | None):
         raise ValueError(f"--aggregator is not JSON ({err}); e.g. --aggregator "
                          "'{\"kind\": \"dp_gaussian\", \"clip\": 0.5, "
                          "\"noise_multiplier\": 1.0, \"expected_clients\": 4}'") from None
-    from fedax.runtime.task import make_aggregator
+    from fedax.experiments.build import make_aggregator
 
     make_aggregator(spec)  # a bad spec fails before anything is written
     return spec
@@ -264,20 +265,84 @@ def cmd_server_status(args) -> int:
     return 0
 
 
+def _ids(text: str) -> list[int]:
+    """``--id``: ``K``, ``A-B`` (inclusive) or a comma list of either."""
+    ids: list[int] = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            ids += range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise ValueError(f"--id {text!r} is not a client id, a range A-B or a comma list of "
+                         "them") from None
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise ValueError(f"--id {text!r} names no client, a negative id or one id twice")
+    return ids
+
+
+def _per_client(template: str | None, k: int, several: bool, option: str) -> str | None:
+    if template is None:
+        return None
+    if several and "{id}" not in template:
+        raise ValueError(f"{option} must contain {{id}} when --id names several clients "
+                         "(each keeps its own)")
+    return template.replace("{id}", str(k))
+
+
 @_one_line
 def cmd_client(args) -> int:
+    """One client, or several (``--id A-B``: one thread each in this process), on its own
+    data: an ``.npz`` (``--data``) or its partition of an experiment config
+    (``--config``, as ``fedax run`` deals it)."""
+    import threading
+
     _quiet_grpc(args)
     from fedax.runtime import Client, ClientConfig, ClientTLS, read_token
 
+    ids = _ids(args.id)
+    several = len(ids) > 1
     _logging(f"client {args.id}")
-    x, y = _data_file(args.data)
-    config = ClientConfig(args.server, args.id, read_token(args.token_file),
-                          ClientTLS(args.ca, args.server_name), state_dir=args.state_dir,
-                          reconnect_s=args.reconnect_s, connect_s=args.connect_s)
-    rounds = Client(config, x, y).run()
-    accepted = sum(1 for r in rounds if r[2])
-    print(f"fedax client {args.id}: done; {accepted} of {len(rounds)} reports accepted",
-          file=sys.stderr)
+    if (args.data is None) == (args.config is None):
+        raise ValueError("give the client's data as exactly one of --data FILE.npz and "
+                         "--config CONFIG (its partition of the experiment's data set)")
+    if args.config is not None:
+        from fedax.experiments.config import load_config
+        from fedax.runtime.launch import client_examples
+
+        examples = client_examples(load_config(args.config), ids)
+    else:
+        examples = {k: _data_file(_per_client(args.data, k, several, "--data")) for k in ids}
+    clients = [Client(ClientConfig(args.server, k, read_token(
+        _per_client(args.token_file, k, several, "--token-file")),
+        ClientTLS(args.ca, args.server_name),
+        state_dir=_per_client(args.state_dir, k, several, "--state-dir"),
+        reconnect_s=args.reconnect_s, connect_s=args.connect_s), *examples[k]) for k in ids]
+    results: dict[int, Any] = {}
+
+    def go(k, client):
+        try:
+            results[k] = client.run()
+        except BaseException as err:  # reported below, one line per client
+            results[k] = err
+
+    threads = [threading.Thread(target=go, args=(k, c), daemon=True)
+               for k, c in zip(ids, clients, strict=True)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    failed = {k: r for k, r in results.items() if isinstance(r, BaseException)}
+    for k in ids:
+        if k in failed:
+            continue
+        accepted = sum(1 for r in results[k] if r[2])
+        print(f"fedax client {k}: done; {accepted} of {len(results[k])} reports accepted",
+              file=sys.stderr)
+    if failed:
+        k, err = sorted(failed.items())[0]
+        if not isinstance(err, Exception):
+            raise err
+        raise err if not several else type(err)(f"client {k}: {err}")
     return 0
 
 
@@ -361,9 +426,13 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     client = sub.add_parser("client", parents=[common],
                             help="a networked runtime client on its own data")
     _server_address(client)
-    client.add_argument("--id", type=int, required=True, help="this client's id")
+    client.add_argument("--id", required=True,
+                        help="this client's id; or A-B (a thread per client, each with its "
+                             "own token file, data and state dir: put {id} in their paths)")
     client.add_argument("--token-file", required=True)
-    client.add_argument("--data", required=True, help="an .npz with this client's x and y")
+    client.add_argument("--data", help="an .npz with this client's x and y")
+    client.add_argument("--config", help="instead of --data: the experiment config whose "
+                                         "data set's partition this client holds")
     client.add_argument("--state-dir", help="per-client state (SCAFFOLD's c_i) lives here")
     client.add_argument("--connect-s", type=float, default=15.0,
                         help="at the start, give up when the server cannot be reached "

@@ -172,6 +172,7 @@ def make_cohort(
     num_steps: int | None = None,
     bucket: bool = True,
     full_batch_size: int | None = None,
+    client_streams: tuple[int, ...] | None = None,
 ) -> Cohort:
     """Builds one round's local batches for the given clients.
 
@@ -183,7 +184,10 @@ def make_cohort(
 
     All randomness comes from ``seed_or_rng``, consumed client by client in ``client_ids``
     order, so the cohort is a pure function of (data, client_ids, E, B, seed); the real entries
-    do not depend on ``num_steps``/``bucket``/``full_batch_size``.
+    do not depend on ``num_steps``/``bucket``/``full_batch_size``. With ``client_streams``
+    (e.g. ``(seed, t)``), client k's shuffles come from its own ``default_rng([*client_streams,
+    k])`` instead: they follow the client, not its position or its cohort, so a client that
+    shuffles its own data (``fedax.runtime``) makes exactly the simulator's batches.
 
     Per-client epochs (``epochs`` an int array ``[C]``, aligned with ``client_ids``) simulate
     stragglers that do less local work (FedProx's "x ~ U[1, E] epochs"): client c then takes
@@ -200,6 +204,8 @@ def make_cohort(
       num_steps: Fixed S; must be at least the largest step count in the cohort.
       bucket: Without ``num_steps``, round S up with :func:`bucket_size` (else S is exact).
       full_batch_size: Fixed B_eff for B = inf; must be at least the largest n_k in the cohort.
+      client_streams: Seed words of each client's own shuffle stream (see above); None: one
+        stream, ``seed_or_rng``, for the cohort.
 
     Returns:
       A :class:`Cohort` with ``idx``/``mask`` of shape ``[C, S, B]`` (B_eff for B = inf).
@@ -246,7 +252,9 @@ def make_cohort(
         n, spe, e = int(sizes[c]), int(steps_per_epoch[c]), int(epochs[c])
         if n == 0:
             continue
-        perms = rng.permuted(np.broadcast_to(np.arange(n), (e, n)), axis=1)
+        stream = rng if client_streams is None else np.random.default_rng(
+            [*client_streams, int(k)])
+        perms = stream.permuted(np.broadcast_to(np.arange(n), (e, n)), axis=1)
         width = spe * batch
         rows_idx = np.zeros((e, width), np.int32)
         rows_idx[:, :n] = data.client_indices(int(k))[perms]

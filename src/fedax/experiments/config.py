@@ -53,6 +53,7 @@ from fedax.experiments.sections import (
     CompressionConfig,
     ExecutionConfig,
     LearnedLRConfig,
+    NetworkConfig,
     Number,
     PrivacyConfig,
     RobustConfig,
@@ -63,6 +64,7 @@ from fedax.experiments.sections import (
     _resolve_server,
     _Section,
     async_combination,
+    network_combination,
 )
 
 
@@ -114,6 +116,7 @@ class Config(_Section):
     checkpoint_every: int = Field(0, ge=0)
     execution: ExecutionConfig = ExecutionConfig()
     asynchronous: AsynchronousConfig = AsynchronousConfig()  # with execution.mode: async
+    network: NetworkConfig = NetworkConfig()  # with execution.mode: network
 
     @model_validator(mode="before")
     @classmethod
@@ -249,7 +252,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _async_combination(self) -> Config:
-        refused = async_combination(self)
+        refused = async_combination(self) or network_combination(self)
         if refused is not None:
             raise _KeyedError(*refused)
         return self
@@ -547,8 +550,8 @@ def config_to_dict(config: Config) -> dict[str, Any]:
     ``learned_lr`` appears only with ``server.lr: learned`` (it applies only then), and
     ``privacy``, ``compression``, ``robust`` and ``attack`` only when given, and
     ``per_client_eval`` only when on, ``client`` only with early stopping, and
-    ``execution.mode`` and ``asynchronous`` only with ``mode: async`` (configs written
-    before they existed dump as before)."""
+    ``execution.mode`` and ``asynchronous`` only with ``mode: async``, ``network`` only
+    with ``mode: network`` (configs written before they existed dump as before)."""
     data = config.model_dump(mode="json")
     if not config.per_client_eval:
         data.pop("per_client_eval")
@@ -567,7 +570,10 @@ def config_to_dict(config: Config) -> dict[str, Any]:
             data.pop(section)
     if config.execution.mode == "sync":  # the default engine dumps as before it had a name
         data["execution"].pop("mode")
+    if config.execution.mode != "async":
         data.pop("asynchronous")
+    if config.execution.mode != "network":
+        data.pop("network")
     return data
 
 

@@ -21,14 +21,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import optax
-
-from fedax.algorithms import ALGORITHMS, FederatedAlgorithm
-from fedax.algorithms import make as make_algorithm
-from fedax.client import Batches
+from fedax.experiments.build import build
 from fedax.experiments.config import (
     Config,
-    ConfigError,
     check_against_data,
     config_to_dict,
     resolved_server_optimizer,
@@ -39,13 +34,11 @@ from fedax.experiments.features import (
     RoundTally,
     attack_plan,
     feature_summaries,
-    robust_aggregator,
     with_backdoor,
 )
 from fedax.experiments.outputs import JsonlWriter, with_status, write_outputs
-from fedax.experiments.privacy_plan import PrivacyPlan, cohort_size, compressor, privacy_plan
+from fedax.experiments.privacy_plan import PrivacyPlan, cohort_size, privacy_plan
 from fedax.experiments.resume import _fingerprint, resume_schedule
-from fedax.models import get_model, softmax_cross_entropy, with_precision
 from fedax.simulation import (
     Execution,
     History,
@@ -72,66 +65,6 @@ def _check_precision_hardware(precision: str) -> None:
                       "(benchmarks/bench_precision.py); it pays on GPUs. Drop the key for "
                       "float32", RuntimeWarning, stacklevel=2)
 
-
-
-def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
-                    num_clients: int | None = None, aggregator: Any = None,
-                    example_privacy: tuple[float, float] | None = None,
-                    holdout_privacy: Any = None) -> FederatedAlgorithm:
-    """The config's algorithm on ``apply_fn``'s model with the cross-entropy loss (per token,
-    PAD targets ignored, when ``sequence``), with ``aggregator`` (default: the weighted
-    mean). With ``server.lr: learned``, ``holdout_privacy`` (a ``HoldoutPrivacy``, from the
-    run's privacy plan) privatizes the holdout hypergradient."""
-
-    def loss_fn(params, batch: Batches):
-        logits = apply_fn(params, batch.x)
-        if sequence:
-            from fedax.models.losses import token_cross_entropy
-
-            return token_cross_entropy(logits, batch.y, batch.mask)
-        return softmax_cross_entropy(logits, batch.y, batch.mask)
-
-    # The registry entry's own options the config has (FedProx's mu), and its server
-    # optimizer, every hyperparameter resolved (as summary.json records it).
-    options = {k: getattr(config, k) for k in ALGORITHMS[config.algorithm].options
-               if k in Config.model_fields}
-    server = resolved_server_optimizer(config)
-    hyperparameters = dict(server.hyperparameters)
-    code = compressor(config)
-    if code is not None and aggregator is None:  # (a DP plan's aggregator compresses itself)
-        from fedax.aggregators import compressed
-
-        aggregator = compressed(code)
-    elif code is not None and (config.privacy is None or config.privacy.level != "user"):
-        raise ConfigError("config key 'compression': cannot compress under the given "
-                          "aggregator (compression builds its own; with DP, privacy.mechanism "
-                          "gaussian); drop one of the two")
-    algorithm = make_algorithm(config.algorithm, loss_fn,
-                               num_clients=num_clients or config.num_clients,
-                               client_lr=config.client_lr, server_optimizer=server.name,
-                               server_lr=hyperparameters.pop("lr"), **hyperparameters,
-                               aggregator=aggregator, example_privacy=example_privacy,
-                               local_stopping=config.client.stopping_rule(), **options)
-    if code is not None and config.compression.error_feedback:
-        from fedax.algorithms.error_feedback import error_feedback
-
-        algorithm = error_feedback(algorithm, code, num_clients or config.num_clients)
-    if config.server.lr != "learned":
-        return algorithm
-    # η lives in the server optimizer's state; it is learned on holdout clients' loss.
-    from fedax.hyper import learned_server_lr_in_state, private_learned_server_lr
-
-    if holdout_privacy is not None:
-        return private_learned_server_lr(
-            algorithm, server.hyperparameters["lr"], loss_fn, holdout_privacy,
-            optax.adam(config.learned_lr.hyper_lr), config.learned_lr.mode)
-    if config.privacy is not None:
-        raise ConfigError("config key 'server.lr': 'learned' with privacy needs the plan's "
-                          "holdout privacy (fedax.experiments.privacy_plan)")
-
-    return learned_server_lr_in_state(
-        algorithm, server.hyperparameters["lr"], loss_fn,
-        optax.adam(config.learned_lr.hyper_lr), config.learned_lr.mode)
 
 
 def run_experiment(
@@ -164,22 +97,14 @@ def run_experiment(
         data = attack.data
     train = data.train
     check_against_data(config, train.sizes)
-    model = with_precision(get_model(config.model, **data.model_kwargs), config.precision)
     if config.precision != "float32":
         _check_precision_hardware(config.precision)
-    import jax
-
-    params = jax.jit(model.init)(jax.random.key(config.seed))
-    plan = privacy_plan(config, train.num_clients, train.sizes)
+    algorithm, model, params, plan = build(
+        config, num_clients=train.num_clients, model_kwargs=data.model_kwargs,
+        sequence=data.y_test.ndim > 1, client_sizes=train.sizes)
     # What a resume may change (the schedule); raises, changing nothing, if it cannot.
     schedule = () if not resume else resume_schedule(
         config, out, plan, lambda c: privacy_plan(c, train.num_clients, train.sizes))
-    algorithm = build_algorithm(config, model.apply, sequence=data.y_test.ndim > 1,
-                                num_clients=train.num_clients,
-                                aggregator=robust_aggregator(config) if plan is None
-                                else plan.aggregator,
-                                example_privacy=None if plan is None else plan.example_privacy,
-                                holdout_privacy=None if plan is None else plan.holdout)
     if data.test_clients is not None:
         evaluate = make_client_evaluator(model.apply, data.x_test, data.y_test,
                                          data.test_clients, target=config.target_accuracy,
@@ -307,7 +232,8 @@ def _run_async(config: Config, algorithm, params, source, evaluate, execution, c
                      max_rejected_fraction=config.max_rejected_fraction)
 
 
-def summarize(config: Config, records: list[dict[str, Any]], wall: float, execution: Execution,
+def summarize(config: Config, records: list[dict[str, Any]], wall: float,
+              execution: Execution | dict[str, Any],
               resumed_from: int | None = None, plan: PrivacyPlan | None = None
               ) -> dict[str, Any]:
     """The ``summary.json`` of a run with these evaluation records (possibly none)."""
@@ -345,7 +271,7 @@ def summarize(config: Config, records: list[dict[str, Any]], wall: float, execut
         "target_accuracy": target,
         "rounds_to_target": None if reached is None else round(reached, 1),
         "wall_time_s": round(wall, 2),
-        "execution": execution._asdict(),
+        "execution": execution._asdict() if hasattr(execution, "_asdict") else execution,
         # name, every hyperparameter, which are defaults (not in the config), the paper
         "server_optimizer": _server_summary(config),
         # the last record: every metric of the last evaluated round (the algorithm's and its

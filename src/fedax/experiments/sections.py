@@ -235,11 +235,12 @@ class ClientConfig(_Section):
 
 class ExecutionConfig(_Section):
     """How rounds execute; ``auto`` lets the runner choose per backend and model.
-    ``mode``: ``sync`` (rounds, ``fedax.simulation.run``) or ``async`` (FedBuff on a virtual
+    ``mode``: ``sync`` (rounds, ``fedax.simulation.run``), ``async`` (FedBuff on a virtual
     clock, ``fedax.simulation.asynchronous.run_async``, with the ``asynchronous:``
-    section; ``rounds`` counts server updates)."""
+    section; ``rounds`` counts server updates) or ``network`` (a gRPC server and real
+    client processes, ``fedax.runtime``, with the ``network:`` section)."""
 
-    mode: Literal["sync", "async"] = "sync"
+    mode: Literal["sync", "async", "network"] = "sync"
     strategy: Literal["auto", "vmap", "sequential", "unroll", "processes"] = "auto"
     local_steps: Literal["auto", "scan", "unroll"] = "auto"
     devices: Any = Field("auto", description="'auto' or an integer >= 1")
@@ -313,6 +314,65 @@ def async_combination(config: Any) -> tuple[str, str] | None:
     for key, (refused, reason) in why.items():
         if refused:
             return key, f"{reason}: not with execution.mode async (use mode sync)"
+    return None
+
+
+class NetworkConfig(_Section):
+    """``execution.mode: network``: the rounds run on a gRPC server (TLS, client tokens)
+    with real client processes (``fedax.runtime``; docs/deployment.md). ``fedax run``
+    starts the server and ``local_clients`` client processes on this machine, which host
+    the N clients between them (a one-machine rehearsal of a deployment; 0: start the
+    server only and wait for ``fedax client`` processes). ``cohort_size`` (K, default the
+    cohort m) accepted reports close a round; ``over_selection`` f selects ⌈K(1+f)⌉;
+    ``min_reports`` at the ``deadline_s`` keep a round, fewer retry it (``max_attempts``).
+    ``setup``: a directory ``fedax server init`` wrote (CA, server certificate and key,
+    registry, tokens; default: a fresh development PKI in the run directory).
+    ``server_randomness``: ``secret`` (``os.urandom``, a deployment's) or ``seed`` (the
+    config's seed: the simulator's keys and selection, so the run equals ``mode: sync``;
+    public, a rehearsal's only)."""
+
+    local_clients: int = Field(2, ge=0)
+    cohort_size: int | None = Field(None, ge=1)
+    over_selection: Number = Field(0.0, ge=0, allow_inf_nan=False)
+    min_reports: int | None = Field(None, ge=1)
+    deadline_s: Number = Field(60.0, gt=0, allow_inf_nan=False)
+    max_attempts: int = Field(10, ge=1)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    setup: str | None = None
+    server_randomness: Literal["secret", "seed"] = "secret"
+    max_examples: int = Field(1_000_000, ge=1)
+
+
+def network_combination(config: Any) -> tuple[str, str] | None:
+    """Why ``config`` cannot run with ``execution.mode: network``, as ``(key, message)``,
+    or None: what only a simulation has (attacks, simulated stragglers, devices), what the
+    runtime does not carry yet (the learned η, example-level DP, per-client evaluation),
+    and what its accountant would not cover (Poisson sampling, over-selection under DP)."""
+    if config.execution.mode != "network":
+        return None
+    private = config.privacy is not None
+    why = {"server.lr": (config.server.lr == "learned", "'learned' needs holdout clients the "
+                         "networked server does not schedule yet"),
+           "attack": (config.attack is not None, "attacks are simulated; over the network a "
+                      "client attacks by itself"),
+           "stragglers": (config.stragglers > 0, "stragglers are simulated; over the network "
+                          "deadlines and drop-outs are real (network.deadline_s)"),
+           "per_client_eval": (config.per_client_eval, "the server holds no client's test "
+                               "data"),
+           "privacy.level": (private and config.privacy.level == "example", "the server "
+                             "cannot account example-level ε without the clients' n_k"),
+           "privacy.sampling": (private and config.privacy.sampling == "poisson", "the "
+                                "server selects fixed-size cohorts"),
+           "network.over_selection": (private and config.network.over_selection > 0,
+                                      "with over-selection the first reports to arrive are "
+                                      "kept, which is not the uniform sampling the accountant "
+                                      "assumes"),
+           "execution.strategy": (config.execution.strategy == "processes", "each client "
+                                  "trains in its own process already")}
+    for key, (refused, reason) in why.items():
+        if refused:
+            return key, f"{reason}: not with execution.mode network (use mode sync)"
     return None
 
 

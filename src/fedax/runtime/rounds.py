@@ -2,7 +2,9 @@
 
 ``select`` draws a round's clients with NumPy's generator seeded from the server's secret
 (``os.urandom``, never sent) and the round id, so no participant can predict who is
-selected, and a resumed server (same secret) selects as it would have.
+selected, and a resumed server (same secret) selects as it would have. A rehearsal that
+must reproduce the simulator seeds it with the config's seed instead (``Server(...,
+simulator_seed=seed)``): public, so never in a deployment.
 """
 
 from __future__ import annotations
@@ -74,9 +76,18 @@ def finite(tree: Any) -> bool:
                if jnp.issubdtype(jnp.asarray(a).dtype, jnp.inexact))
 
 
-def select(secret: bytes, t: int, attempt: int, alive: list[int], count: int) -> list[int]:
-    """``count`` of the ``alive`` client ids for round t, attempt ``attempt``, drawn without
-    replacement from ``default_rng([SHA-256(secret ‖ "selection") words, t, attempt])``."""
-    words = np.frombuffer(hashlib.sha256(secret + b"selection").digest(), np.uint32)
-    rng = np.random.default_rng([*map(int, words), t, attempt])
-    return sorted(int(c) for c in rng.choice(alive, size=count, replace=False))
+def selection_words(secret: bytes) -> list[int]:
+    """The seed words of the server's selection stream: SHA-256(secret ‖ "selection")."""
+    return [int(w) for w in np.frombuffer(hashlib.sha256(secret + b"selection").digest(),
+                                          np.uint32)]
+
+
+def select(words: list[int], t: int, attempt: int, alive: list[int], count: int) -> list[int]:
+    """``count`` of the ``alive`` client ids for round t, attempt ``attempt``, in id order,
+    drawn without replacement from ``default_rng([*words, t])`` (``[*words, t, attempt]``
+    for a retry). With ``words = [seed]`` and every client alive this is the simulator's
+    cohort (``fedax.simulation.PartitionSource``: ``sample_clients(default_rng([seed,
+    t]), ...)``)."""
+    stream = [*words, t] if attempt == 0 else [*words, t, attempt]
+    rng = np.random.default_rng(stream)
+    return sorted(int(c) for c in rng.choice(np.asarray(alive), size=count, replace=False))

@@ -69,7 +69,7 @@ from fedax.runtime import store, wire
 from fedax.runtime.checks import ReportChecks
 from fedax.runtime.config import ServerConfig
 from fedax.runtime.gate import Gate, RateLimitedLog, Rejections, read_deadline
-from fedax.runtime.rounds import OpenRound, RoundFailed, finite, select
+from fedax.runtime.rounds import OpenRound, RoundFailed, finite, select, selection_words
 from fedax.runtime.security import Registry, ServerTLS
 from fedax.runtime.task import (
     Report,
@@ -93,7 +93,10 @@ class Server:
     ``key``: the server's secret key. Default: drawn from the OS (``os.urandom``) at the
     first start and kept in the checkpoint; never derived from the task, which every
     client receives. A test passes ``jax.random.key(task.seed)`` to get the simulator's
-    keys.
+    keys. ``simulator_seed``: the simulator's randomness entirely, ``key(seed)`` and its
+    selection (``rounds.select``), for a rehearsal that must reproduce a simulated run
+    (``fedax run`` with ``network.server_randomness: seed``); public, so never in a
+    deployment.
 
     Example::
 
@@ -108,8 +111,11 @@ class Server:
     def __init__(self, task: Task, config: ServerConfig, tls: ServerTLS, registry: Registry,
                  address: str = "127.0.0.1:0", resume: bool = False,
                  evaluate: Callable[[Any], dict[str, float]] | None = None,
-                 key: jax.Array | None = None):
+                 key: jax.Array | None = None, simulator_seed: int | None = None):
         self.task, self.config, self.tls, self.registry = task, config, tls, registry
+        if simulator_seed is not None:
+            key = jax.random.key(simulator_seed)
+        self._simulator_seed = simulator_seed
         self.address = address
         self.evaluate = evaluate
         built = build(task)
@@ -273,7 +279,9 @@ class Server:
             if self._stop.is_set():
                 return None
         count = min(cfg.selection_size, len(alive))
-        selected = select(self._secret, t, attempt, alive, count)
+        words = ([self._simulator_seed] if self._simulator_seed is not None
+                 else selection_words(self._secret))
+        selected = select(words, t, attempt, alive, count)
         payload = self.pieces.payload(self.state.server)
         tensors = wire.encode_tree(store.raw({"payload": payload}))
         shared = wire.Envelope(tensors=tensors).SerializeToString()

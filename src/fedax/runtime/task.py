@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import json
 import math
 from typing import Any, NamedTuple
@@ -46,8 +45,13 @@ import jax.numpy as jnp
 from fedax.algorithms import ALGORITHMS, RoundPieces, RoundState, init_state
 from fedax.algorithms.base import client_half, server_half
 from fedax.client import Batches
+from fedax.experiments.build import build_named, make_aggregator
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.runtime.security import key_words
+
+# An experiment config's sections that say how it runs, not what it computes: the task a
+# client receives is the config without them (``Task.from_config``).
+ENGINE_KEYS = ("execution", "asynchronous", "network")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +78,14 @@ class Task:
         ``dp_adaptive_gaussian``, ``adaclip``, ``robust``); None: the algorithm's own (the
         weighted mean). Its client stage (clipping) runs on each client, its reduction and
         server stage (noise) on the server.
+      config: the experiment config's task part (``fedax run CONFIG`` with
+        ``execution.mode: network``; ``Task.from_config``): every key of the YAML config but
+        the engine sections (``ENGINE_KEYS``). With it the task is built by
+        ``fedax.experiments.build.build``, as the simulator builds the same config, and the
+        fields above are the config's own; ``aggregator``, ``options`` and
+        ``example_privacy`` are then the config's business (its ``privacy``, ``robust``,
+        ``compression`` sections) and must stay unset.
+      sequence: the model predicts a token per position (the char-LSTM's loss).
       example_privacy: ``[l2_clip, noise_multiplier]``: each client trains with
         example-level DP-SGD (FedAvg, FedProx, the FedOpt names), its noise drawn from the
         client's own secret key (its seed kept in its ``state_dir``, never sent); None:
@@ -92,8 +104,12 @@ class Task:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     aggregator: dict[str, Any] | None = None
     example_privacy: list[float] | None = None
+    config: dict[str, Any] | None = None
+    sequence: bool = False
 
     def __post_init__(self):
+        if self.config is not None:
+            self._check_config()
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.algorithm!r}; allowed: "
                              f"{', '.join(sorted(ALGORITHMS))}")
@@ -109,7 +125,7 @@ class Task:
                 raise ValueError(f"give {name!r} as the task's own field, not in options")
         if self.aggregator is not None:
             make_aggregator(self.aggregator)  # a bad spec fails here, naming the fix
-        _refuse_unprotected_sums(self.algorithm, self.aggregator, self.client_lr)
+        _refuse_unprotected_sums(self.algorithm, self._aggregator_kind(), self.client_lr)
         if self.example_privacy is not None:
             privacy = self.example_privacy
             if (not isinstance(privacy, list | tuple) or len(privacy) != 2
@@ -119,11 +135,67 @@ class Task:
                                  f"{privacy!r}")
             object.__setattr__(self, "example_privacy", [float(v) for v in privacy])
 
+    @classmethod
+    def from_config(cls, config: Any, *, num_clients: int, input_shape: list[int],
+                    model_options: dict[str, Any], sequence: bool = False) -> Task:
+        """The task part of an experiment ``Config`` (``fedax.experiments.config``), with
+        what its data says: the population N, one example's shape and the model's keyword
+        arguments (``FederatedData.model_kwargs``)."""
+        from fedax.experiments.config import config_to_dict
+
+        data = {k: v for k, v in config_to_dict(config).items() if k not in ENGINE_KEYS}
+        batch = config.batch_size
+        return cls(config.algorithm, config.model, num_clients, float(config.client_lr),
+                   int(config.local_epochs), "inf" if math.isinf(batch) else int(batch),
+                   int(config.seed), list(input_shape), dict(model_options), config=data,
+                   sequence=sequence)
+
+    def spec(self) -> Any:
+        """The validated ``Config`` of a task made ``from_config`` (with the default
+        engine sections)."""
+        from fedax.experiments.config import validate_config
+
+        return validate_config(dict(self.config))
+
+    def _check_config(self) -> None:
+        if not isinstance(self.config, dict):
+            raise ValueError(f"a task's config must be a mapping, got {self.config!r}")
+        engine = sorted(set(self.config) & set(ENGINE_KEYS))
+        if engine:
+            raise ValueError(f"a task's config holds no engine section; remove {engine}")
+        given = [n for n in ("aggregator", "example_privacy") if getattr(self, n) is not None]
+        if given or self.options:
+            raise ValueError(f"a task with a config takes its aggregator, privacy and options "
+                             f"from the config; remove {given or sorted(self.options)}")
+        config = self.spec()  # a bad config fails here, naming its key
+        batch = config.batch_size
+        own = {"algorithm": config.algorithm, "model": config.model,
+               "client_lr": float(config.client_lr), "local_epochs": config.local_epochs,
+               "batch_size": "inf" if math.isinf(batch) else int(batch), "seed": config.seed}
+        for name, value in own.items():
+            if getattr(self, name) != value:
+                raise ValueError(f"task field {name!r} is {getattr(self, name)!r} but its "
+                                 f"config says {value!r}; make the task with "
+                                 "Task.from_config")
+        if config.privacy is not None and config.privacy.level == "example":
+            raise ValueError("privacy.level: example is not available over the network yet "
+                             "(the server cannot account ε without the clients' n_k); use "
+                             "user-level privacy, or the Task's example_privacy")
+
+    def _aggregator_kind(self) -> str | None:
+        if self.config is None:
+            return None if self.aggregator is None else self.aggregator.get("kind")
+        if self.config.get("privacy") is not None:
+            return "dp_gaussian"
+        return "robust" if self.config.get("robust") is not None else None
+
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
-        for name in ("aggregator", "example_privacy"):  # absent when unused, so a task
-            if data[name] is None:  # without them keeps its hash (and its checkpoints)
+        for name in ("aggregator", "example_privacy", "config"):  # absent when unused, so
+            if data[name] is None:  # a task without them keeps its hash (and checkpoints)
                 del data[name]
+        if not data["sequence"]:
+            del data["sequence"]
         return json.dumps(data, sort_keys=True)
 
     @classmethod
@@ -147,8 +219,7 @@ class Task:
 _DP_KINDS = ("dp_gaussian", "dp_adaptive_gaussian", "adaclip")
 
 
-def _refuse_unprotected_sums(algorithm: str, aggregator: dict[str, Any] | None,
-                             client_lr: float) -> None:
+def _refuse_unprotected_sums(algorithm: str, kind: str | None, client_lr: float) -> None:
     """An algorithm's exact sums (``AlgorithmSpec.exact_sums``) bypass the aggregator: the
     server must be able to check them (``checks.sums_check``), and no aggregator may
     promise what they break (DP: they are released unnoised; a robust rule: SCAFFOLD's c is
@@ -159,85 +230,12 @@ def _refuse_unprotected_sums(algorithm: str, aggregator: dict[str, Any] | None,
     if not spec.exact_sums:
         return
     sums_check(algorithm, client_lr)
-    kind = None if aggregator is None else aggregator.get("kind")
     if kind in _DP_KINDS or (kind == "robust" and algorithm.startswith("scaffold")):
         what = "privacy" if kind in _DP_KINDS else "robustness"
         raise ValueError(f"algorithm {algorithm!r} uploads {spec.exact_sums[0]} as an exact "
                          f"sum beside the update, which the {kind!r} aggregator does not "
                          f"protect (its {what} would not hold); use fedavg, fedprox or a "
                          "FedOpt algorithm with it")
-
-
-def _aggregator_kinds() -> dict[str, Any]:
-    from fedax import aggregators
-
-    def dp_gaussian(clip, noise_multiplier, expected_clients=None, *, denominator=None,
-                    per_layer=False, weighting="uniform", example_cap=None):
-        if (expected_clients is None) == (denominator is None):
-            raise TypeError("give exactly one of expected_clients (uniform weights) and "
-                            "denominator (the fixed q·W)")
-        d = expected_clients if denominator is None else denominator
-        return aggregators.dp_gaussian(clip, noise_multiplier, d, per_layer=per_layer,
-                                       weighting=weighting, example_cap=example_cap)
-
-    def clip_norm(clip):
-        return aggregators.chain(aggregators.clip_norm(clip), aggregators.mean())
-
-    kinds = {
-        "mean": aggregators.mean,
-        "clip_norm": clip_norm,
-        "dp_gaussian": dp_gaussian,
-        "dp_adaptive_gaussian": aggregators.dp_adaptive_gaussian,
-        "adaclip": aggregators.adaclip,
-    }
-    robust = getattr(aggregators, "robust", None)  # the robust rules, where installed
-    if robust is not None:
-        kinds["robust"] = robust
-    return kinds
-
-
-def make_aggregator(spec: dict[str, Any] | None) -> Any:
-    """The ``fedax.aggregators`` aggregator a task's ``aggregator`` names (None: None, the
-    algorithm's default). ``spec`` is ``{"kind": KIND, **arguments}``:
-
-    * ``mean``: the weighted mean (FedAvg's);
-    * ``clip_norm`` (``clip``): clip each update (the server does, per report), then the
-      weighted mean;
-    * ``dp_gaussian`` (``clip``, ``noise_multiplier``, ``expected_clients`` or
-      ``denominator``; ``per_layer``, ``weighting``, ``example_cap``): DP-FedAvg with a
-      fixed clip (``aggregators.dp_gaussian``);
-    * ``dp_adaptive_gaussian`` (``noise_multiplier``, ``expected_clients``;
-      ``initial_clip``, ``target_quantile``, ``learning_rate``, ``clipped_count_stddev``,
-      ``geometric``): DP-FedAvg with the quantile-tracking clip;
-    * ``adaclip`` (``noise_multiplier``, ``expected_clients``, ...): AdaCliP;
-    * ``robust`` (``rule``, ``clip``, the rule's own arguments): ``aggregators.robust``
-      (median, trimmed_mean, krum, multi_krum, geometric_median, norm_bounding).
-
-    Names and numbers only, looked up here: no code comes with a task.
-    """
-    if spec is None:
-        return None
-    if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str):
-        raise ValueError(f'aggregator must be {{"kind": NAME, ...arguments}}, got {spec!r}')
-    kinds = _aggregator_kinds()
-    kind = spec["kind"]
-    if kind not in kinds:
-        raise ValueError(f"unknown aggregator kind {kind!r}; allowed: "
-                         f"{', '.join(sorted(kinds))}")
-    arguments = {k: v for k, v in spec.items() if k != "kind"}
-    factory = kinds[kind]
-    signature = inspect.signature(factory)
-    try:
-        signature.bind(**arguments)
-    except TypeError as err:
-        names = [p.name for p in signature.parameters.values()
-                 if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        raise ValueError(f"aggregator {kind!r}: {err}; its arguments: "
-                         f"{', '.join(names)}") from None
-    try:
-        return factory(**arguments)
-    except TypeError as err:
-        raise ValueError(f"aggregator {kind!r}: {err}") from None
 
 
 class Built(NamedTuple):
@@ -249,23 +247,31 @@ class Built(NamedTuple):
 
 
 def build(task: Task) -> Built:
-    """The task's ``RoundPieces`` (from the algorithm registry, with the cross-entropy loss
-    as ``fedax run`` uses), model apply and initial parameters."""
-    model = get_model(task.model, **task.model_options)
+    """The task's ``RoundPieces``, model apply and initial parameters, from the one builder
+    (``fedax.experiments.build``): ``build`` for a task made from a config (as the
+    simulator builds that config), ``build_named`` for one written by hand (the
+    cross-entropy loss, as ``fedax run`` uses)."""
+    if task.config is not None:
+        from fedax.experiments.build import build as build_spec
 
-    def loss_fn(params, batch: Batches):
-        return softmax_cross_entropy(model.apply(params, batch.x), batch.y, batch.mask)
+        built = build_spec(task.spec(), num_clients=task.num_clients,
+                           model_kwargs=task.model_options, sequence=task.sequence)
+        algorithm, apply, params = built.algorithm, built.model.apply, built.params
+    else:
+        model = get_model(task.model, **task.model_options)
 
-    privacy = None if task.example_privacy is None else tuple(task.example_privacy)
-    algorithm = ALGORITHMS[task.algorithm](loss_fn, num_clients=task.num_clients,
-                                           client_lr=task.client_lr,
-                                           aggregator=make_aggregator(task.aggregator),
-                                           example_privacy=privacy, **task.options)
+        def loss_fn(params, batch: Batches):
+            return softmax_cross_entropy(model.apply(params, batch.x), batch.y, batch.mask)
+
+        privacy = None if task.example_privacy is None else tuple(task.example_privacy)
+        algorithm = build_named(task.algorithm, loss_fn, num_clients=task.num_clients,
+                                client_lr=task.client_lr, aggregator=task.aggregator,
+                                example_privacy=privacy, options=task.options)
+        apply, params = model.apply, jax.jit(model.init)(jax.random.key(task.seed))
     if algorithm.pieces is None:
         raise ValueError(f"algorithm {task.algorithm!r} is not a composition of round "
-                         "pieces; the runtime runs pieces only")
-    params = jax.jit(model.init)(jax.random.key(task.seed))
-    return Built(algorithm.pieces, model.apply, params)
+                         "pieces (e.g. server.lr: learned); the runtime runs pieces only")
+    return Built(algorithm.pieces, apply, params)
 
 
 # --------------------------------------------------------------------- the two halves

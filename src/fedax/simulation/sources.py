@@ -88,7 +88,9 @@ def _steps(largest: int, local_epochs: int, batch_size: float) -> tuple[int, int
 @dataclass
 class PartitionSource:
     """McMahan et al.'s rounds over a partitioned data set: round t samples
-    ``max(C·K, 1)`` clients and their shuffles from ``default_rng([seed, t])``; the
+    ``max(C·K, 1)`` clients from ``default_rng([seed, t])``, and client k shuffles its
+    examples with its own ``default_rng([seed, t, k])`` (as a networked client does, so the
+    engines make the same batches); the
     training set lives on the device once (8-bit codes for k/255 images), and a cohort
     travels as example indices ``[C, S, B]`` plus masks, gathered inside the round.
 
@@ -150,7 +152,10 @@ class PartitionSource:
 
     def identity(self) -> dict[str, Any]:
         items = {"client_fraction": self.client_fraction, "local_epochs": self.local_epochs,
-                 "batch_size": self.batch_size, "seed": self.seed}
+                 "batch_size": self.batch_size, "seed": self.seed,
+                 # each client's own stream (a checkpoint of the older cohort-wide stream,
+                 # which lacks this, is refused: its run would continue on other batches)
+                 "shuffles": "per-client"}
         if self.sampling != "fixed":  # absent when fixed: older checkpoints match
             items["sampling"] = self.sampling
         if self.straggler_fraction or self.drop_stragglers:  # absent when off
@@ -171,7 +176,8 @@ class PartitionSource:
         if self.sampling == "poisson":
             ids = self._poisson_ids(rng, t)
         else:
-            ids = sample_clients(rng, self.train.num_clients, self.client_fraction)
+            # in id order, as a networked server stacks its reports
+            ids = np.sort(sample_clients(rng, self.train.num_clients, self.client_fraction))
         real = len(ids)
         if real == 0:  # nobody joined: one empty client (n_k = 0, no real steps)
             ids = np.zeros(1, np.int64)
@@ -180,7 +186,7 @@ class PartitionSource:
             epochs = straggler_epochs(rng, len(ids), self.local_epochs,
                                       self.straggler_fraction)
         cohort = make_cohort(self.train, ids, epochs, self.batch, rng,
-                             num_steps=self.num_steps)
+                             num_steps=self.num_steps, client_streams=(self.seed, t))
         if self.drop_stragglers and self.straggler_fraction:
             cohort = drop_stragglers(cohort, epochs < self.local_epochs)
         if real == 0:
