@@ -161,7 +161,7 @@ def run_experiment(
         with preferred_cpu_dots(cpu_dots_for(config.model, config.precision)):
             if config.execution.mode == "async":
                 history = _run_async(config, algorithm, params, source, evaluate, execution,
-                                     callbacks, out, resume, train.num_clients)
+                                     callbacks, out, resume, train.num_clients, plan)
             else:
                 history = run(
                     algorithm,
@@ -210,7 +210,7 @@ def run_experiment(
 
 
 def _run_async(config: Config, algorithm, params, source, evaluate, execution, callbacks,
-               out: Path, resume: bool, num_clients: int):
+               out: Path, resume: bool, num_clients: int, plan: PrivacyPlan | None):
     """``execution.mode: async``: FedBuff on the virtual clock over the same algorithm,
     data, evaluation and outputs, ``rounds`` server updates of ``asynchronous.buffer_size``
     updates each (``fedax.simulation.asynchronous.run_async``)."""
@@ -223,7 +223,11 @@ def _run_async(config: Config, algorithm, params, source, evaluate, execution, c
         staleness=Staleness(**a.staleness.model_dump()), max_staleness=a.max_staleness,
         latency=Latency(**a.latency.model_dump()), weighting=a.weighting)
     return run_async(algorithm, params, source, evaluate, settings,
-                     server_updates=config.rounds, seed=config.seed,
+                     # with privacy (lockstep only: a flush is a round) the budget ends it
+                     server_updates=config.rounds if plan is None else plan.rounds,
+                     seed=config.seed,
+                     record_fields=None if plan is None else (
+                         lambda t: {"epsilon": plan.epsilon(t)}),
                      eval_every=config.eval_every, target_accuracy=config.target_accuracy,
                      stop_at_target=config.stop_at_target, execution=execution,
                      callbacks=callbacks, checkpoint_dir=out / "checkpoints",

@@ -291,6 +291,18 @@ class AsynchronousConfig(_Section):
     weighting: Literal["algorithm", "equal"] = "algorithm"
 
 
+def lockstep(config: Any) -> bool:
+    """FedBuff in lockstep: K = M = the cohort m, every trip as long, no staleness weight;
+    each flush is then a synchronous round of m clients (bit for bit,
+    tests/test_execution_modes.py)."""
+    a = config.asynchronous
+    n = config.num_clients
+    m = min(max(math.floor(config.client_fraction * n + 1e-9), 1), n)  # sample_clients' m
+    return (a.buffer_size in (None, m) and a.concurrency in (None, m)
+            and a.latency.kind == "constant" and a.staleness.kind == "constant"
+            and a.weighting == "algorithm" and a.max_staleness is None)
+
+
 def async_combination(config: Any) -> tuple[str, str] | None:
     """Why ``config`` cannot run with ``execution.mode: async``, as ``(key, message)``, or
     None. FedBuff's server applies buffered updates of clients that keep no state of their
@@ -299,8 +311,11 @@ def async_combination(config: Any) -> tuple[str, str] | None:
         return None
     why = {"algorithm": (config.algorithm.startswith("scaffold"), "keeps per-client state "
                          "(c_i), which buffered asynchronous updates do not carry"),
-           "privacy": (config.privacy is not None, "the accountant counts synchronous "
-                       "rounds, not buffered asynchronous updates"),
+           "privacy": (config.privacy is not None and not lockstep(config), "the "
+                       "accountant counts synchronous rounds, not buffered asynchronous "
+                       "updates (only in lockstep, asynchronous.buffer_size = concurrency = "
+                       "the cohort, constant latency and staleness weights, is a flush a "
+                       "round)"),
            "server.lr": (config.server.lr == "learned", "'learned' differentiates a "
                          "synchronous round"),
            "attack": (config.attack is not None, "simulated attacks act on a synchronous "

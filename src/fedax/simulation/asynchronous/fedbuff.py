@@ -178,6 +178,7 @@ def run_async(
     fingerprint: Mapping[str, Any] | None = None,
     max_rejected_fraction: float = 0.5,
     trace: bool = False,
+    record_fields: Callable[[int], Mapping[str, Any]] | None = None,
 ) -> AsyncHistory:
     """Run FedBuff (or FedAsync) for ``server_updates`` server steps on a virtual clock.
 
@@ -202,6 +203,8 @@ def run_async(
         fraction of the arrivals were non-finite stops the run (``DivergenceError``), as
         does a non-finite server model, or 10·(M + K) arrivals without an update.
       trace: keep one tuple per arrival in ``AsyncHistory.trace``.
+      record_fields: ``record_fields(version) -> dict`` of more values for that record
+        (the ε spent, as ``fedax.simulation.run``).
 
     Returns:
       ``AsyncHistory`` (records, final ``RoundState``, trace).
@@ -380,6 +383,8 @@ def run_async(
             for name in ("record_trips", "record_rejected", "record_stale", "record_tau_sum",
                          "record_tau_max", "record_accepted"):
                 put(name, 0)
+            if record_fields is not None:
+                record.update(record_fields(version))
             record["elapsed_s"] = elapsed_before + time.perf_counter() - started
             return record
 
