@@ -22,7 +22,6 @@ import threading
 import time
 import traceback
 import warnings
-from importlib import resources
 from pathlib import Path
 
 from fedax.cli.failures import Interrupts, failure_message, one_line, show_warning
@@ -32,6 +31,7 @@ from fedax.cli.run_dirs import (
     missing_dirs,
     os_error_message,
     remove_if_empty,
+    resolve_config,
     resume_command,
     run_command,
     where_stopped,
@@ -44,22 +44,6 @@ DEMO_RUNS = (
     ("FedSGD", "mnist_2nn_noniid_fedsgd", 1796),
     ("FedAvg", "mnist_2nn_noniid_fedavg", 664),
 )
-
-
-def resolve_config(name_or_path: str) -> Path:
-    """A config file path, or the name of a config bundled with fedax."""
-    path = Path(name_or_path)
-    if path.exists():
-        return path
-    bundled = resources.files("fedax") / "configs" / f"{path.stem}.yaml"
-    if bundled.is_file():
-        return Path(str(bundled))
-    names = sorted(p.name[:-5] for p in (resources.files("fedax") / "configs").iterdir()
-                   if p.name.endswith(".yaml"))
-    raise ConfigError(
-        f"config {name_or_path!r} is neither a file nor a bundled config "
-        f"(bundled: {', '.join(names)})"
-    )
 
 
 # ------------------------------------------------------------------------------ commands

@@ -10,9 +10,10 @@ import errno
 import os
 import shlex
 import sys
+from importlib import resources
 from pathlib import Path
 
-from fedax.experiments.errors import CommandError
+from fedax.experiments.errors import CommandError, ConfigError
 
 
 def run_command(args, out: Path | None = None, flag: str | None = None,
@@ -190,3 +191,19 @@ def os_error_message(err: OSError, out: Path | None = None) -> str:
 def _inside(path: Path, directory: Path) -> bool:
     path, directory = Path(os.path.abspath(path)), Path(os.path.abspath(directory))
     return path == directory or directory in path.parents
+
+
+def resolve_config(name_or_path: str) -> Path:
+    """A config file path, or the name of a config bundled with fedax."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    bundled = resources.files("fedax") / "configs" / f"{path.stem}.yaml"
+    if bundled.is_file():
+        return Path(str(bundled))
+    names = sorted(p.name[:-5] for p in (resources.files("fedax") / "configs").iterdir()
+                   if p.name.endswith(".yaml"))
+    raise ConfigError(
+        f"config {name_or_path!r} is neither a file nor a bundled config "
+        f"(bundled: {', '.join(names)})"
+    )

@@ -134,16 +134,50 @@ def _move_into(stage: Path, out: Path, overwrite: bool) -> None:
     shutil.rmtree(stage)
 
 
+def _init_from_config(args, out: Path) -> int:
+    """``fedax server init DIR --config CONFIG``: the config with ``execution.mode:
+    network`` and ``network.setup: DIR`` (clients hold their data), and the PKI and tokens
+    for its N clients."""
+    import yaml
+
+    from fedax.cli.run_dirs import resolve_config
+    from fedax.experiments.config import config_to_dict, load_config
+    from fedax.experiments.datasets import build_data
+    from fedax.runtime import make_dev_pki
+    from fedax.runtime.launch import network_task
+
+    target = Path(os.path.abspath(out))
+    config = load_config(resolve_config(args.config), [*args.set, "execution.mode=network",
+                                       f"network.setup={target}", "network.local_clients=0"])
+    data = build_data(config)
+    network_task(config, data)  # what the network cannot run is refused before anything
+    hosts = [h for h in args.hosts.split(",") if h]
+    n = data.train.num_clients
+    with _staged(out, args.overwrite) as stage:
+        make_dev_pki(stage, n, hosts)
+        text = yaml.safe_dump(config_to_dict(config), sort_keys=False)
+        (stage / "config.yaml").write_text(f"# fedax server init --config {args.config}\n"
+                                           + text)
+    print(f"wrote ca.pem, server.pem/.key, registry.json, tokens/0..{n - 1}.token and "
+          f"config.yaml in {out}; start the server with: fedax server start --config "
+          f"{out}/config.yaml, and each client with: fedax client --server HOST:PORT --ca "
+          f"{out}/ca.pem --config {out}/config.yaml --id K --token-file {out}/tokens/K.token")
+    return 0
+
+
 @_one_line
 def cmd_server_init(args) -> int:
-    """A CA, server certificate, tokens, registry, task.json and per-client data files,
+    """A CA, server certificate, tokens, registry and, with ``--config``, the experiment
+    config for the network; without, a hand-built task.json and per-client data files;
     written beside DIR and moved into it only when all of them are made."""
-    aggregator = _aggregator_spec(args.aggregator)
     out = Path(args.dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file; name a directory for the setup")
     if (out / "registry.json").exists() and not args.overwrite:
         raise ValueError(f"{out} already holds a setup; pass --overwrite to replace it")
+    if args.config is not None:
+        return _init_from_config(args, out)
+    aggregator = _aggregator_spec(args.aggregator)
     with _staged(out, args.overwrite) as stage:
         _write_setup(stage, args, aggregator)
     print(f"wrote ca.pem, server.pem/.key, registry.json, tokens/0..{args.clients - 1}"
@@ -207,6 +241,24 @@ def _server_config(args):
         max_examples=args.max_examples, keep_checkpoints=args.keep_checkpoints)
 
 
+def _start_from_config(args) -> int:
+    """``fedax server start --config CONFIG``: the config's network run, serving the
+    clients that connect (no local ones), outputs in ``--out``."""
+    from fedax.cli.run_dirs import resolve_config
+    from fedax.experiments.config import load_config
+    from fedax.runtime.launch import run_network
+
+    config = load_config(resolve_config(args.config), [*args.set, "execution.mode=network",
+                                       "network.local_clients=0",
+                                       f"network.host={args.host}",
+                                       f"network.port={args.port}"])
+    out = Path(args.out or "runs/server")
+    summary = run_network(config, out, resume=args.resume)
+    print(json.dumps({k: summary[k] for k in ("status", "rounds_run", "final_test_accuracy")},
+                     indent=1))
+    return 0
+
+
 @_one_line
 def cmd_server_start(args) -> int:
     import time
@@ -215,6 +267,15 @@ def cmd_server_start(args) -> int:
     from fedax.runtime import Registry, Server, ServerTLS, Task
 
     _logging("server")
+    if args.config is not None:
+        if args.task is not None:
+            raise ValueError("give the run as one of --config (an experiment config) and "
+                             "--task (a hand-built task.json)")
+        return _start_from_config(args)
+    missing = [f"--{n}" for n in ("task", "cert", "key", "registry", "rounds", "cohort_size")
+               if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"without --config, fedax server start needs {', '.join(missing)}")
     try:
         task = Task.from_json(Path(args.task).read_text())
     except OSError as err:
@@ -367,20 +428,31 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
                       '"dp_gaussian", "clip": 0.5, "noise_multiplier": 1.0, '
                       '"expected_clients": 4}\' (default: the weighted mean; see '
                       'docs/deployment.md)')
+    init.add_argument("--config", help="an experiment config (a name of a shipped one or a "
+                      "path): write DIR/config.yaml for execution.mode network with this "
+                      "setup, the clients' count from its data (instead of task.json and "
+                      "data files)")
+    init.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="with --config: override a config key (repeatable)")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--overwrite", action="store_true")
     init.set_defaults(func=cmd_server_init)
 
     start = server_sub.add_parser("start", parents=[common], help="run the server")
-    start.add_argument("--task", required=True, help="task.json (algorithm, model, settings)")
-    start.add_argument("--cert", required=True, help="server certificate chain (PEM)")
-    start.add_argument("--key", required=True, help="server private key (PEM)")
-    start.add_argument("--registry", required=True, help="client registry (JSON)")
+    start.add_argument("--config", help="an experiment config (fedax server init --config "
+                       "writes one): its rounds, cohort, deadlines and setup; outputs in --out")
+    start.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="with --config: override a config key (repeatable)")
+    start.add_argument("--out", help="with --config: the run directory (default runs/server)")
+    start.add_argument("--task", help="instead of --config: a hand-built task.json")
+    start.add_argument("--cert", help="server certificate chain (PEM)")
+    start.add_argument("--key", help="server private key (PEM)")
+    start.add_argument("--registry", help="client registry (JSON)")
     start.add_argument("--host", default="127.0.0.1",
                        help="interface to listen on (0.0.0.0 for other machines)")
     start.add_argument("--port", type=int, default=9092)
-    start.add_argument("--rounds", type=int, required=True)
-    start.add_argument("--cohort-size", type=int, required=True,
+    start.add_argument("--rounds", type=int)
+    start.add_argument("--cohort-size", type=int,
                        help="K: accepted reports that close a round")
     start.add_argument("--over-selection", type=float, default=0.0,
                        help="select ceil(K*(1+f)) clients (default 0)")
