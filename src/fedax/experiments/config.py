@@ -44,16 +44,20 @@ from pydantic.fields import FieldInfo
 
 from fedax.algorithms import ALGORITHMS
 from fedax.algorithms.server_optimizers import ResolvedServerOptimizer
+from fedax.experiments.engines import (
+    AsynchronousConfig,
+    ExecutionConfig,
+    NetworkConfig,
+    async_combination,
+    network_combination,
+)
 from fedax.experiments.errors import ConfigError
 from fedax.experiments.sections import (
-    AsynchronousConfig,
     AttackConfig,
     BatchSize,
     ClientConfig,
     CompressionConfig,
-    ExecutionConfig,
     LearnedLRConfig,
-    NetworkConfig,
     Number,
     PrivacyConfig,
     RobustConfig,
@@ -63,8 +67,6 @@ from fedax.experiments.sections import (
     _KeyedError,
     _resolve_server,
     _Section,
-    async_combination,
-    network_combination,
 )
 
 
