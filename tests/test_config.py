@@ -413,3 +413,46 @@ def test_set_null_unsets_a_key_so_switching_algorithm_works():
     with pytest.raises(ConfigError, match="config key 'client_lr' is required"):
         load_config(path, ["client_lr=null"])  # unset, and it has no default
     assert load_config(path, ["eval_every=7", "eval_every=null"]).eval_every == 1
+
+
+def test_algorithm_options_come_from_the_registry():
+    """``algorithm_options`` is validated against ``AlgorithmSpec.options`` (names and the
+    default's type) and reaches the algorithm: SCAFFOLD's weighting is settable from YAML."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from conftest import TINY_CONFIG
+
+    from fedax.algorithms import CohortBatches
+    from fedax.client import Batches
+    from fedax.experiments.build import build_algorithm
+
+    base = {**yaml.safe_load(TINY_CONFIG), "algorithm": "scaffold"}
+
+    def apply(params, x):
+        return x @ params["w"]
+
+    rounds = {}
+    for weighting in ("uniform", "num_examples"):
+        config = validate_config({**base, "algorithm_options": {"weighting": weighting}})
+        assert config_to_dict(config)["algorithm_options"] == {"weighting": weighting}
+        algorithm = build_algorithm(config, apply, num_clients=2)
+        params = {"w": jnp.zeros((3, 2))}
+        x = jnp.ones((2, 1, 4, 3)) * jnp.array([1.0, -1.0])[:, None, None, None]
+        y = jnp.zeros((2, 1, 4), jnp.int32)
+        mask = jnp.ones((2, 1, 4)).at[1, 0, 1:].set(0.0)  # n_k = 4 and 1
+        cohort = CohortBatches(Batches(x, y, mask), jnp.array([4.0, 1.0]),
+                               jnp.array([0, 1], jnp.int32))
+        state = algorithm.init(params, jax.random.key(0))
+        state, _ = algorithm.round(state, cohort, jax.random.key(1))
+        rounds[weighting] = algorithm.server_params(state)["w"]
+    # n_k weights move the model towards client 0's update: another model
+    assert not np.allclose(rounds["uniform"], rounds["num_examples"])
+    assert "algorithm_options" not in config_to_dict(validate_config(base))
+    with pytest.raises(ConfigError, match="'algorithm_options.weighting': must be a str"):
+        validate_config({**base, "algorithm_options": {"weighting": 3}})
+    with pytest.raises(ConfigError, match="has no option 'mu' \\(its options: weighting\\)"):
+        validate_config({**base, "algorithm_options": {"mu": 0.1}})
+    with pytest.raises(ValueError, match="weighting must be 'uniform' or 'num_examples'"):
+        build_algorithm(validate_config({**base, "algorithm_options": {"weighting": "n"}}),
+                        apply, num_clients=2)

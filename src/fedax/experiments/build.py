@@ -74,6 +74,7 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
     # optimizer, every hyperparameter resolved (as summary.json records it).
     options = {k: getattr(config, k) for k in ALGORITHMS[config.algorithm].options
                if k in Config.model_fields}
+    options.update(config.algorithm_options)
     server = resolved_server_optimizer(config)
     hyperparameters = dict(server.hyperparameters)
     code = compressor(config)

@@ -67,6 +67,7 @@ from fedax.experiments.sections import (
     _KeyedError,
     _resolve_server,
     _Section,
+    algorithm_options_problem,
 )
 
 
@@ -88,8 +89,11 @@ class Config(_Section):
     # bfloat16: compute in bfloat16 with float32 master weights (fedax.models.precision)
     precision: Literal["float32", "bfloat16"] = "float32"
     algorithm: Literal[tuple(ALGORITHMS)]  # the registry's names
-    # FedProx's proximal weight (its registry default)
+    # FedProx's proximal weight (its registry default); also algorithm_options.mu
     mu: Number = Field(ALGORITHMS["fedprox"].options["mu"], ge=0, allow_inf_nan=False)
+    # the algorithm's own options as its registry entry declares them (AlgorithmSpec.options:
+    # FedProx's mu, SCAFFOLD's weighting), each of its default's type
+    algorithm_options: dict[str, Any] = Field(default_factory=dict)
     client_fraction: Number = Field(gt=0, le=1)
     local_epochs: int = Field(ge=1)
     batch_size: BatchSize = Field(description="an integer >= 1 or inf")
@@ -250,6 +254,13 @@ class Config(_Section):
             able = ", ".join(n for n, s in ALGORITHMS.items() if s.local_stopping)
             raise _KeyedError("client.stopping", f"algorithm {self.algorithm!r} has no local "
                                                  f"training to stop early; use one of {able}")
+        return self
+
+    @model_validator(mode="after")
+    def _algorithm_options(self) -> Config:
+        refused = algorithm_options_problem(self)
+        if refused is not None:
+            raise _KeyedError(*refused)
         return self
 
     @model_validator(mode="after")
@@ -463,6 +474,9 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
             raise ConfigError(_unknown_key(path[: i + 1], model) + f" in --set {override!r}")
         if i == len(path) - 1:
             break
+        if get_origin(model.model_fields[part].annotation) is dict and i == len(path) - 2:
+            node = node.setdefault(part, {})  # a free mapping (algorithm_options): its keys
+            break  # are checked by the config's validators
         section = _section(model.model_fields[part].annotation)
         if section is None:
             raise ConfigError(
@@ -563,6 +577,8 @@ def config_to_dict(config: Config) -> dict[str, Any]:
         data["client"] = {k: v for k, v in data["client"].items() if v is not None}
     if config.server.lr != "learned":
         data.pop("learned_lr")
+    if not config.algorithm_options:
+        data.pop("algorithm_options")
     if config.privacy is None:
         data.pop("privacy")
     if config.compression is None:

@@ -232,6 +232,28 @@ class ClientConfig(_Section):
             calibrated=bool(self.stopping_calibrated))
 
 
+def algorithm_options_problem(config: Any) -> tuple[str, str] | None:
+    """Why ``config.algorithm_options`` does not fit the algorithm's declared options
+    (``AlgorithmSpec.options``: name -> default, whose type the value must have), as
+    ``(key, message)``, or None. A new option is declared in its algorithm's registry entry
+    only; the config learns it from there."""
+    declared = ALGORITHMS[config.algorithm].options
+    for name, value in config.algorithm_options.items():
+        key = f"algorithm_options.{name}"
+        if name not in declared:
+            allowed = ", ".join(declared) or "none"
+            return key, (f"algorithm {config.algorithm!r} has no option {name!r} (its "
+                         f"options: {allowed})")
+        default = declared[name]
+        number = isinstance(default, float) and isinstance(value, int | float)
+        if type(value) is not type(default) and not (number and type(value) is not bool):
+            return key, (f"must be a {type(default).__name__} like its default "
+                         f"{default!r}, got {value!r}")
+    if "mu" in config.algorithm_options and "mu" in config.model_fields_set:
+        return "mu", "give FedProx's mu once: as algorithm_options.mu (or the older mu)"
+    return None
+
+
 class LearnedLRConfig(_Section):
     """``server.lr: learned``: η is learned by hypergradient descent on a holdout loss
     (``fedax.hyper.learned_server_lr_in_state``): each round, ``holdout_clients`` clients
