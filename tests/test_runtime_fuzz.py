@@ -359,7 +359,8 @@ def _mark_loaded():
 
 
 def _framed(body: bytes) -> bytes:
-    return store.MAGIC + hashlib.sha256(body).digest() + body
+    return (store.frame(body) if len(body) % 2 else  # today's frame, or an old runtime one
+            store.OLD_RUNTIME_MAGIC + hashlib.sha256(body).digest() + body)
 
 
 def _load(tmp_path_factory, data: bytes) -> Any:

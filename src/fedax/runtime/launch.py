@@ -188,6 +188,9 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
                 proc.kill()
                 proc.wait(5)
     records = _records(server.history)
+    if plan is not None:  # ε spent by the rounds so far, in every record (as the simulator)
+        for record in records:
+            record["epsilon"] = plan.epsilon(record["round"])
     writer = JsonlWriter(out / "metrics.jsonl")
     for record in records:
         writer(record)

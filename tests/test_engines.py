@@ -1,0 +1,142 @@
+"""One experiment, every engine: the shipped MNIST 2NN non-IID FedAvg config with a DP
+aggregator runs under ``execution.mode`` sync, async and network with no other change.
+
+* async in lockstep (K = M = m, constant latency and staleness weights) is the sync run,
+  bit for bit, ε included;
+* network (a TLS gRPC server and two ``fedax client`` processes hosting the 100 clients on
+  loopback, ``network.server_randomness: seed``) gives the sync run's records and final
+  model to float tolerance: the same selection, the same per-client shuffles
+  (``default_rng([seed, t, k])``), the same DP noise;
+* the same for SCAFFOLD (sync and network; FedBuff refuses per-client state).
+
+What a mode cannot do is refused in one line naming the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedax.experiments.config import ConfigError, config_to_dict, load_config, validate_config
+from fedax.experiments.run import run_experiment
+from fedax.runtime import Task
+from fedax.runtime.launch import run_network
+
+CONFIG = Path(__file__).resolve().parents[1] / "src" / "fedax" / "configs" / \
+    "mnist_2nn_noniid_fedavg.yaml"
+DP = ["privacy.level=user", "privacy.mechanism=gaussian", "privacy.noise_multiplier=1.0",
+      "privacy.clip=0.5", "privacy.delta=1e-5"]
+SHORT = ["rounds=2", "eval_every=1", "execution.devices=1", "checkpoint_every=2"]
+LOCKSTEP = ["execution.mode=async", "asynchronous.latency.kind=constant",
+            "asynchronous.staleness.kind=constant"]
+NETWORK = ["execution.mode=network", "network.local_clients=2",
+           "network.server_randomness=seed", "network.deadline_s=120"]
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_params(out: Path) -> dict[str, np.ndarray]:
+    """The server's model in a run directory's newest checkpoint, either engine's (one
+    format, ``fedax.checkpoint``): its ``.server`` leaves by path, read from the bytes."""
+    from fedax.checkpoint import read_file
+
+    files = sorted((out / "checkpoints").glob("*.msgpack"), key=lambda p: p.stat().st_mtime)
+    leaves = read_file(files[-1])["state"]
+    return {leaf["path"]: np.frombuffer(leaf["data"], np.dtype(leaf["dtype"])).reshape(
+        leaf["shape"]) for leaf in leaves if leaf["path"].startswith(".server.params")}
+
+
+def run(sets: list[str], out: Path) -> list[dict]:
+    config = load_config(CONFIG, sets)
+    if config.execution.mode == "network":
+        run_network(config, out, progress=False)
+    else:
+        run_experiment(config, out, progress=False, tensorboard=False)
+    return records(out)
+
+
+def assert_close_records(sync, other, keys, rtol):
+    assert [r["round"] for r in sync] == [r["round"] for r in other]
+    for a, b in zip(sync, other, strict=True):
+        for key in keys:
+            np.testing.assert_allclose(b[key], a[key], rtol=rtol, err_msg=key)
+
+
+def assert_same_model(a, b, rtol=1e-5, atol=1e-6):
+    assert sorted(a) == sorted(b) and len(a) > 0, (sorted(a), sorted(b))
+    for path in a:
+        np.testing.assert_allclose(b[path], a[path], rtol=rtol, atol=atol, err_msg=path)
+
+
+@pytest.mark.serial
+def test_one_dp_config_in_all_three_engines(tmp_path):
+    sync = run(SHORT + DP, tmp_path / "sync")
+    assert len(sync) == 2 and sync[-1]["clipped_clients"] == 10
+    lockstep = run(SHORT + DP + LOCKSTEP, tmp_path / "async")
+    for a, b in zip(sync, lockstep, strict=True):
+        for key in ("train_loss", "test_accuracy", "test_loss", "epsilon",
+                    "dp_noise_stddev"):
+            assert a[key] == b[key], (key, a[key], b[key])  # the same bits
+    network = run(SHORT + DP + NETWORK, tmp_path / "network")
+    assert_close_records(sync, network, ("train_loss", "test_accuracy", "test_loss"), 1e-5)
+    assert [r["epsilon"] for r in network] == [r["epsilon"] for r in sync]
+    assert [(r["selected"], r["reported"], r["rejected"]) for r in network] == [(10, 10, 0)] * 2
+    assert_same_model(final_params(tmp_path / "sync"), final_params(tmp_path / "network"))
+    summary = json.loads((tmp_path / "network" / "summary.json").read_text())
+    assert summary["execution"]["mode"] == "network"
+    assert summary["privacy"]["epsilon"] == pytest.approx(sync[-1]["epsilon"])
+
+
+@pytest.mark.serial
+def test_scaffold_sync_and_network(tmp_path):
+    sets = SHORT + ["algorithm=scaffold", "client_lr=0.05"]
+    sync = run(sets, tmp_path / "sync")
+    network = run(sets + NETWORK, tmp_path / "network")
+    assert_close_records(sync, network, ("train_loss", "test_accuracy", "test_loss"), 1e-5)
+    assert_same_model(final_params(tmp_path / "sync"), final_params(tmp_path / "network"))
+    # c_i lives with each selected client, in its own state directory
+    kept = list((tmp_path / "network" / "network" / "clients").glob("*/client_state.msgpack"))
+    assert 10 <= len(kept) <= 20
+
+
+def test_the_task_is_the_configs_task_part():
+    config = load_config(CONFIG, DP + NETWORK)
+    task = Task.from_config(config, num_clients=100, input_shape=[28, 28, 1],
+                            model_options={})
+    assert set(task.config) == set(config_to_dict(config)) - {"execution", "network"}
+    assert Task.from_json(task.to_json()) == task  # names and numbers travel as JSON
+    assert task.spec().privacy == config.privacy
+    with pytest.raises(ValueError, match="remove \\['aggregator'\\]"):
+        Task(**{**json.loads(task.to_json()), "aggregator": {"kind": "mean"}})
+    with pytest.raises(ValueError, match="'client_lr' is 1.0 but its config says 0.2"):
+        Task(**{**json.loads(task.to_json()), "client_lr": 1.0})
+
+
+@pytest.mark.parametrize("change, key", [
+    (["server.lr=learned"], "server.lr"),
+    (["attack.kind=sign_flip", "attack.fraction=0.2"], "attack"),
+    (["stragglers=0.5"], "stragglers"),
+    (["privacy.level=user", "privacy.mechanism=gaussian", "privacy.noise_multiplier=1.0",
+      "privacy.clip=0.5", "privacy.delta=1e-5", "network.over_selection=0.3"],
+     "network.over_selection"),
+])
+def test_what_the_network_does_not_carry_is_refused(change, key):
+    with pytest.raises(ConfigError, match=rf"config key '{key}'.*execution.mode network"):
+        load_config(CONFIG, ["execution.mode=network", *change])
+
+
+def test_privacy_runs_asynchronously_only_in_lockstep():
+    load_config(CONFIG, DP + LOCKSTEP)  # a flush is a round: accounted
+    with pytest.raises(ConfigError, match="config key 'privacy'.*lockstep"):
+        load_config(CONFIG, DP + LOCKSTEP + ["asynchronous.buffer_size=5"])
+
+
+def test_engine_sections_dump_only_with_their_mode():
+    sync = validate_config(config_to_dict(load_config(CONFIG)))
+    assert "network" not in config_to_dict(sync) and "asynchronous" not in config_to_dict(sync)
+    network = config_to_dict(load_config(CONFIG, NETWORK))
+    assert network["network"]["local_clients"] == 2 and "asynchronous" not in network
