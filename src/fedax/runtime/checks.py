@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from fedax.data.client_data import num_local_steps
+from fedax.runtime import wire
 
 # algorithm name -> check of its exact sums: (report, payload, steps) -> reason or None
 SumsCheck = Callable[[Any, Any, float], "str | None"]
@@ -129,3 +130,17 @@ class ReportChecks:
             if reason is not None:
                 return "bounds", reason
         return None
+
+
+def decoded_report(tensors: Any, layout: Any, treedef: Any) -> tuple[Any, tuple[str, str] | None]:
+    """A report's arrays as its pytree, or ``(None, (kind, reason))`` when they are not
+    exactly the expected arrays (paths, dtypes, shapes: ``wire.expected_layout``) or not
+    all finite."""
+    try:
+        arrays = wire.decode_arrays(list(tensors), layout, "report")
+    except wire.WireError as err:
+        return None, (err.kind, str(err))
+    bad = wire.all_finite(arrays)
+    if bad is not None:
+        return None, ("non-finite", f"array {layout[int(bad)][0]!r} holds NaN or infinity")
+    return treedef.unflatten(arrays), None

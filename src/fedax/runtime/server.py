@@ -66,7 +66,7 @@ import numpy as np
 from fedax.aggregators import round_keys
 from fedax.algorithms.records import dumps, strict_json
 from fedax.runtime import store, wire
-from fedax.runtime.checks import ReportChecks
+from fedax.runtime.checks import ReportChecks, decoded_report
 from fedax.runtime.config import ServerConfig
 from fedax.runtime.gate import Gate, RateLimitedLog, Rejections, read_deadline
 from fedax.runtime.rounds import OpenRound, RoundFailed, finite, select, selection_words
@@ -562,17 +562,10 @@ class Server:
                                     env.nonce) != header:
             return self._reject(r, cid, "sender", "the report's envelope does not match "
                                 "its call (client, round, attempt, version, nonce)")
-        try:
-            arrays = wire.decode_arrays(list(env.tensors), self._report_layout, "report")
-        except wire.WireError as err:
-            return self._reject(r, cid, err.kind, str(err))
-        bad = wire.all_finite(arrays)
-        if bad is not None:
-            return self._reject(r, cid, "non-finite",
-                                f"array {self._report_layout[int(bad)][0]!r} holds NaN or "
-                                "infinity")
-        report = self._report_treedef.unflatten(arrays)
-        problem = self._checks.check(report, r.payload)
+        report, problem = decoded_report(env.tensors, self._report_layout,
+                                         self._report_treedef)
+        if problem is None:
+            problem = self._checks.check(report, r.payload)
         if problem is not None:
             return self._reject(r, cid, *problem)
         with self._lock:
