@@ -104,7 +104,8 @@ def test_fedax_run_synthetic_with_stragglers(tmp_path):
 
 def test_the_new_experiments_are_registered_and_every_cell_validates():
     from fedax.reproduce import EXPERIMENTS
-    from fedax.reproduce.framework import _fmt_column, cell_config
+    from fedax.reproduce.framework import cell_config
+    from fedax.reproduce.report import _fmt_column
 
     for name in ("scaffold-mnist", "fedprox-synthetic", "fedopt-fashion"):
         experiment = EXPERIMENTS[name]

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from fedax.cli.main import main
-from fedax.reproduce import EXPERIMENTS, Cell, Experiment, cell_config
+from fedax.reproduce import EXPERIMENTS, Cell, Experiment, cell_config, report
 from fedax.reproduce import framework as fw
 
 BASE = {
@@ -90,9 +90,9 @@ def test_speedups_ratio_check_and_the_grid_cap():
     assert cells[1]["speedup"] == 5.0 and not cells[1]["speedup_bound"]
     assert cells[1]["paper_speedup"] == 10.0
     assert cells[3]["speedup"] == 5.0 and cells[3]["speedup_bound"]  # >= 30 / 6
-    assert fw._ratio_check(cells[1]).startswith("✓ 1.00")
-    assert fw._ratio_check({"rounds_to_target": 50.0, "paper": 10}).startswith("✗ 5.00")
-    assert "missed" in fw._ratio_check(cells[2])
+    assert report._ratio_check(cells[1]).startswith("✓ 1.00")
+    assert report._ratio_check({"rounds_to_target": 50.0, "paper": 10}).startswith("✗ 5.00")
+    assert "missed" in report._ratio_check(cells[2])
 
     experiment = _tiny_experiment()
     cell = experiment.quick[1]

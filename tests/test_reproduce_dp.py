@@ -7,6 +7,7 @@ import math
 import pytest
 
 from fedax.reproduce import EXPERIMENTS, dp_paper
+from fedax.reproduce.custom import diverged
 
 # MNIST with 200 clients (300 examples each, 20 a round), logistic regression, 1-2 rounds.
 TINY_BASE = {"num_clients": 200}
@@ -22,9 +23,9 @@ def test_epsilons_without_noise_are_infinite():
     assert eps["rdp"] is None and eps["pld"] is None  # ∞, null in strict JSON
     assert "RDP" in eps["accounting"] and "Poisson" in eps["accounting"]
     # A z = 0 run's records hold ε = inf (null, status "diverged"): not a diverged run.
-    assert not dp_paper._diverged({"final_test_accuracy": 0.9, "status": "diverged"})
-    assert dp_paper._diverged({"final_test_accuracy": None})
-    assert dp_paper._diverged({"final_test_accuracy": 0.1, "diverged": True})
+    assert not diverged({"final_test_accuracy": 0.9, "status": "diverged"})
+    assert diverged({"final_test_accuracy": None})
+    assert diverged({"final_test_accuracy": 0.1, "diverged": True})
 
 
 def test_adaptive_clipping_tiny_report(tmp_path):

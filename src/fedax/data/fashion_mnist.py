@@ -38,7 +38,7 @@ from fedax.data.mnist import (
     TEST_LABELS,
     TRAIN_IMAGES,
     TRAIN_LABELS,
-    _images_and_labels,
+    read_idx_splits,
 )
 
 # SHA-256 of the raw (gunzipped) IDX files. Checked against the files of Debian's
@@ -158,6 +158,4 @@ def load_fashion_mnist(
       ValueError: A verified file is not valid IDX of the expected layout.
     """
     directory = fetch_fashion_mnist(cache_dir, sources=sources, checksums=checksums, log=log)
-    x_train, y_train = _images_and_labels(directory, TRAIN_IMAGES, TRAIN_LABELS)
-    x_test, y_test = _images_and_labels(directory, TEST_IMAGES, TEST_LABELS)
-    return {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
+    return read_idx_splits(directory)

@@ -159,6 +159,19 @@ def _images_and_labels(directory: Path, images: str, labels: str) -> tuple[np.nd
     return x[..., None], y.astype(np.int32)
 
 
+def read_idx_splits(directory: Path) -> dict[str, np.ndarray]:
+    """The train and test splits of the four IDX files in ``directory`` (MNIST's names and
+    layout, which Fashion-MNIST shares): ``x_*`` float32 [N, 28, 28, 1] in [0, 1], ``y_*``
+    int32 [N].
+
+    Raises:
+      ValueError: A file is not valid IDX of the expected layout.
+    """
+    x_train, y_train = _images_and_labels(directory, TRAIN_IMAGES, TRAIN_LABELS)
+    x_test, y_test = _images_and_labels(directory, TEST_IMAGES, TEST_LABELS)
+    return {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
+
+
 def load_mnist(
     cache_dir: str | os.PathLike | None = None,
     *,
@@ -182,7 +195,4 @@ def load_mnist(
       DataUnavailableError: A file could not be obtained from any source.
       ValueError: A verified file is not valid IDX of the expected layout.
     """
-    directory = fetch_mnist(cache_dir, sources=sources, checksums=checksums, log=log)
-    x_train, y_train = _images_and_labels(directory, TRAIN_IMAGES, TRAIN_LABELS)
-    x_test, y_test = _images_and_labels(directory, TEST_IMAGES, TEST_LABELS)
-    return {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
+    return read_idx_splits(fetch_mnist(cache_dir, sources=sources, checksums=checksums, log=log))

@@ -28,14 +28,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fedax.reproduce.framework import (
-    Cell,
-    CustomExperiment,
-    Experiment,
-    machine_info,
-    run_one,
-    save_results,
-)
+from fedax.reproduce.custom import results_header, run_config, runs_experiment
+from fedax.reproduce.framework import CustomExperiment, Experiment, save_results
+from fedax.reproduce.report import notes_sections, paragraph, pyplot, save_png, save_report
 
 PAPERS = ("Alistarh, Grubic, Li, Tomioka, Vojnovic, \"QSGD\", NeurIPS 2017; Suresh, Yu, "
           "Kumar, McMahan, \"Distributed Mean Estimation with Limited Communication\", ICML "
@@ -78,8 +73,7 @@ MATCH = 0.01  # "matches uncompressed accuracy": within one accuracy point
 def _experiment(settings: Mapping[str, Any]) -> Experiment:
     base = {**BASE, "rounds": settings["rounds"], "eval_every": settings["eval_every"],
             "target_accuracy": settings["target"]}
-    return Experiment(name="compression", title=TITLE, paper="", base=base, full=(),
-                      quick=(), metric="last_accuracy", last_k=settings["last_k"])
+    return runs_experiment("compression", base, settings["last_k"], title=TITLE)
 
 
 def _dirname(label: str) -> str:
@@ -111,10 +105,8 @@ def _run_scheme(experiment: Experiment, label: str, section: Mapping[str, Any] |
         config: dict[str, Any] = {"seed": seed}
         if section is not None:
             config["compression"] = dict(section)
-        cell = Cell(name=_dirname(label), method=label, group="", config=config,
-                    lr_grid=(experiment.base["client_lr"],))
-        summary = run_one(experiment, cell, experiment.base["client_lr"],
-                          out / "runs" / _dirname(label) / f"seed{seed}", progress=progress)
+        summary = run_config(experiment, _dirname(label), label, config,
+                             out / "runs" / _dirname(label) / f"seed{seed}", progress=progress)
         per_seed.append({
             "seed": seed, "last_accuracy": summary["last_accuracy"],
             "final_test_accuracy": summary["final_test_accuracy"],
@@ -163,10 +155,8 @@ def run_compression(out_dir: Path, quick: bool, progress: bool, command: str, *,
         row["minus_uncompressed"] = row["accuracy"] - baseline["accuracy"]
         row["compression_ratio"] = baseline["message_bytes"] / row["message_bytes"]
     results = {
-        "experiment": "compression", "title": TITLE, "paper": PAPERS, "quick": quick,
-        "command": command, "machine": machine_info(),
-        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "wall_time_s": round(time.perf_counter() - started, 1),
+        **results_header("compression", TITLE, PAPERS, quick=quick, command=command,
+                         started=started),
         "settings": {k: ([list(x) for x in v] if k == "schemes" else
                          list(v) if isinstance(v, tuple) else v) for k, v in settings.items()},
         "base_config": experiment.base, "rows": rows,
@@ -267,10 +257,9 @@ def claims(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def figures(results: dict[str, Any], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """``accuracy_vs_bits.png``: accuracy against bits per coordinate, and against uplink
+    bytes; returns the file names."""
+    plt = pyplot()
 
     rows = results["rows"]
     clients = round(results["base_config"]["client_fraction"] *
@@ -302,9 +291,7 @@ def figures(results: dict[str, Any], out: Path) -> list[str]:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     fig.suptitle(results["title"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "accuracy_vs_bits.png", dpi=110)
-    plt.close(fig)
+    save_png(fig, out / "accuracy_vs_bits.png")
     return ["accuracy_vs_bits.png"]
 
 
@@ -329,6 +316,7 @@ def _fmt_bytes(value: float | None) -> str:
 
 
 def write_report(results: dict[str, Any], out: Path) -> str:
+    """``report.md`` of ``compression``; returns its text."""
     s, rows, m = results["settings"], results["rows"], results["machine"]
     b = results["base_config"]
     lines = [
@@ -370,19 +358,19 @@ def write_report(results: dict[str, Any], out: Path) -> str:
     for c in results["claims"]:
         lines.append(f"- {'✓ held' if c['held'] else '✗ did not hold'}: {c['claim']}: "
                      f"{c['numbers']}.")
-    lines += ["", "## Figure", "", "![accuracy vs bits](accuracy_vs_bits.png)", "",
-              "## Notes", "", NOTES.strip(), ""]
-    if results["quick"]:
-        lines += ["## The quick subset", "", " ".join([
-            "`--quick` is sized for this 2-core CPU machine (about 10 minutes): one seed,",
-            f"{s['rounds']} rounds, target {s['target']:g}, {len(rows)} schemes. Differences",
-            "of a few tenths of a point are within seed-to-seed noise at this length. The full",
-            "run (no `--quick`) adds QSGD s=3, runs 200 rounds with three seeds and the",
-            "target 0.97."]), ""]
-    text = "\n".join(lines) + "\n"
-    (out / "report.md").write_text(text)
-    return text
+    lines += ["", "## Figure", "", "![accuracy vs bits](accuracy_vs_bits.png)", ""]
+    quick_notes = paragraph(QUICK_NOTES.format(rounds=s["rounds"], target=s["target"],
+                                               schemes=len(rows)))
+    lines += notes_sections(NOTES, quick_notes if results["quick"] else "")
+    return save_report(lines, out)
 
+
+QUICK_NOTES = """
+`--quick` is sized for this 2-core CPU machine (about 10 minutes): one seed, {rounds} rounds,
+target {target:g}, {schemes} schemes. Differences of a few tenths of a point are within
+seed-to-seed noise at this length. The full run (no `--quick`) adds QSGD s=3, runs 200 rounds
+with three seeds and the target 0.97.
+"""
 
 NOTES = """
 - Encodings (`fedax.aggregators.compression`, per leaf of the update): QSGD codes
@@ -414,14 +402,10 @@ NOTES = """
 """
 
 
-def _run(out_dir: Path, quick: bool, progress: bool, command: str):
-    return run_compression(out_dir, quick, progress, command)
-
-
 COMPRESSION = CustomExperiment(
     name="compression",
     title=TITLE,
-    run=_run,
+    run=run_compression,
     full_description="MNIST 2NN IID, 14 schemes, 200 rounds, 3 seeds, target 97%",
     quick_description="13 schemes, 80 rounds, seed 0, target 95% (≈10 min on 2 cores)",
 )

@@ -39,18 +39,19 @@ import optax
 from fedax.algorithms import FederatedAlgorithm, fedavg
 from fedax.data import mislabel_clients
 from fedax.hyper import HyperCohort, learned_client_weights, soft_error
+from fedax.reproduce.custom import load_average, results_header
 from fedax.reproduce.fad_server_lr import (
     EXECUTION,
     TAIL,
     Task,
     cohort_batches,
-    header_lines,
     holdout_batches,
-    load_average,
     logistic_model,
     sample,
 )
-from fedax.reproduce.framework import CustomExperiment, machine_info, save_results
+from fedax.reproduce.fad_server_lr_report import header_lines
+from fedax.reproduce.framework import CustomExperiment, save_results
+from fedax.reproduce.report import notes_sections, pyplot, save_png, save_report
 from fedax.simulation import run as run_rounds
 from fedax.simulation.sources import HostCohorts
 
@@ -248,10 +249,9 @@ def run_methods(task: Task, bad: np.ndarray, *, rounds: int, eval_every: int, se
 
 
 def figure(results: dict[str, Any], out: Path) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """``client_weights.png``: test accuracy, the bad clients' weight share and the learned
+    θ₂ over rounds; returns the file name."""
+    plt = pyplot()
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -276,10 +276,8 @@ def figure(results: dict[str, Any], out: Path) -> str:
     for ax in (ax1, ax2, ax3):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
     name = "client_weights.png"
-    fig.savefig(out / name, dpi=110)
-    plt.close(fig)
+    save_png(fig, out / name)
     return name
 
 
@@ -288,6 +286,7 @@ def _opt(value) -> str:
 
 
 def write_report(results: dict[str, Any], out: Path) -> str:
+    """``report.md`` of ``fad-client-weights``; returns its text."""
     methods = results["methods"]
     verdicts = results["verdict"]
     lines = header_lines(results)
@@ -326,11 +325,9 @@ def write_report(results: dict[str, Any], out: Path) -> str:
             f"{r['tail_bad_example_share']:.3f} | {_opt(r['tail_bad_norm_weight'])} | "
             f"{_opt(r['tail_good_norm_weight'])} | "
             f"{'yes' if verdicts[method]['down_weights'] else 'no'} |")
-    lines += ["", "![client weights](client_weights.png)", "", "## Notes", "", NOTES.strip(),
-              ""]
-    text = "\n".join(lines) + "\n"
-    (out / "report.md").write_text(text)
-    return text
+    lines += ["", "![client weights](client_weights.png)", ""]
+    lines += notes_sections(NOTES)
+    return save_report(lines, out)
 
 
 DESCRIPTION = """
@@ -404,10 +401,8 @@ def run(out_dir: Path, quick: bool, progress: bool, command: str, *, seed: int =
     methods = run_methods(task, bad, seed=seed, hyper_lr=hyper_lr, progress=progress, log=log,
                           methods=methods, **settings)
     results = {
-        "experiment": "fad-client-weights", "title": TITLE, "paper": PAPER, "quick": quick,
-        "command": command, "machine": machine_info(),
-        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "wall_time_s": round(time.perf_counter() - started, 1),
+        **results_header("fad-client-weights", TITLE, PAPER, quick=quick, command=command,
+                         started=started),
         "load_average": {"start": load_start, "end": load_average()},
         "seed": seed, "fraction": fraction, "mode": mode, "hyper_lr": hyper_lr,
         "bad_clients": [int(k) for k in bad], **settings,

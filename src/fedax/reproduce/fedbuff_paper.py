@@ -33,7 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from fedax.reproduce.framework import CustomExperiment, machine_info, save_results
+from fedax.reproduce.custom import results_header
+from fedax.reproduce.framework import CustomExperiment, save_results
+from fedax.reproduce.report import pyplot, save_png
 
 NGUYEN = ("Nguyen, Malik, Zhan, Yousefpour, Rabbat, Malek, Huba, \"Federated Learning with "
           "Buffered Asynchronous Aggregation\", AISTATS 2022 (arXiv 2106.06639)")
@@ -54,9 +56,9 @@ FULL: dict[str, Any] = dict(QUICK, client_updates=3000, seeds=(0, 1, 2),
 def _load(settings: Mapping[str, Any], seed: int):
     """The partitioned MNIST, the 2NN, its evaluator and the FedAvg algorithm at a server
     learning rate, through the experiment config (so data and model are ``fedax run``'s)."""
+    from fedax.experiments.build import build_algorithm
     from fedax.experiments.config import validate_config
     from fedax.experiments.datasets import build_data
-    from fedax.experiments.run import build_algorithm
     from fedax.models import get_model
     from fedax.simulation import PartitionSource, make_evaluator
 
@@ -202,10 +204,8 @@ def run_fedbuff(out_dir: Path, quick: bool, progress: bool, command: str, *,
         per_seed.append({"seed": seed, "sync": sync, "fedbuff": buff, "fedasync": asyncs,
                          "fedasync_best": _best(asyncs, headline)["name"]})
     results = {
-        "experiment": "fedbuff", "title": TITLE, "paper": NGUYEN, "quick": quick,
-        "command": command, "machine": machine_info(),
-        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "wall_time_s": round(time.perf_counter() - started, 1),
+        **results_header("fedbuff", TITLE, NGUYEN, quick=quick, command=command,
+                         started=started),
         "settings": json.loads(json.dumps(settings)), "per_seed": per_seed,
     }
     results["runs_wall_time_s"] = round(sum(
@@ -262,10 +262,9 @@ def _verdict(held: bool, ratio: float | None) -> str:
 
 
 def figures(results: dict[str, Any], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """``accuracy.png``: the three methods' test accuracy against virtual time and client
+    updates (seed 0's runs, FedAsync at its best α); returns the file names."""
+    plt = pyplot()
 
     s = results["per_seed"][0]
     headline = results["settings"]["targets"][-1]
@@ -286,9 +285,7 @@ def figures(results: dict[str, Any], out: Path) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
     fig.suptitle(f"{results['title']} (seed {s['seed']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "accuracy.png", dpi=110)
-    plt.close(fig)
+    save_png(fig, out / "accuracy.png")
     return ["accuracy.png"]
 
 
@@ -378,14 +375,10 @@ NOTES = """## Notes
 """
 
 
-def _run(out_dir: Path, quick: bool, progress: bool, command: str):
-    return run_fedbuff(out_dir, quick, progress, command)
-
-
 FEDBUFF = CustomExperiment(
     name="fedbuff",
     title=TITLE,
-    run=_run,
+    run=run_fedbuff,
     full_description="MNIST 2NN non-IID, M = C = 10, K = 10, 3,000 client updates a run, "
                      "FedAsync α ∈ {0.1, 0.2, 0.4, 0.6}, 3 seeds",
     quick_description="800 client updates a run, FedAsync α ∈ {0.1, 0.3, 0.6}, seed 0 "

@@ -1,4 +1,5 @@
-"""Named paper experiments: cells, learning-rate grids, resumable runs and the report.
+"""Running a table experiment (:mod:`fedax.reproduce.spec`): each cell's learning-rate grid,
+resumable runs and the results (:mod:`fedax.reproduce.report` writes the report and figures).
 
 An :class:`Experiment` is a list of :class:`Cell` s (one row of a paper table: a method with
 its E, B and partition) over a base config. Each cell runs once per value of its learning
@@ -29,89 +30,14 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from fedax.experiments.config import Config, ConfigError, config_to_dict, validate_config
+from fedax.reproduce.report import figures, write_report
+from fedax.reproduce.spec import Cell, CustomExperiment, Experiment
 from fedax.simulation.checkpoint import CheckpointError
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One row of a paper table.
-
-    Attributes:
-      name: a short unique id, used for the run directory (e.g. ``fedavg-e5-b10-iid``).
-      method: the method's name as the paper writes it (``FedSGD``, ``FedAvg``, ...).
-      group: the column it belongs to (``IID``, ``non-IID``, ``s=10%``, ...); one figure
-        and one baseline per group.
-      config: keys that override the experiment's base config.
-      lr_grid: the learning rates tried; the best is chosen.
-      paper: the paper's number for this cell (rounds to target), None if not reported.
-      baseline: the cell that speedups in its group are measured against (FedSGD).
-      lr_key: the config key the grid sets (``client_lr`` or ``server.lr``).
-      note: shown beside the cell in the report.
-    """
-
-    name: str
-    method: str
-    group: str
-    config: Mapping[str, Any]
-    lr_grid: Sequence[float]
-    paper: float | None = None
-    baseline: bool = False
-    lr_key: str = "client_lr"
-    note: str = ""
-
-    def describe(self) -> str:
-        e = self.config.get("local_epochs", "")
-        b = self.config.get("batch_size", "")
-        return f"{self.method} E={e} B={b} ({self.group})"
-
-
-@dataclass(frozen=True)
-class Experiment:
-    """A named paper experiment: a base config and the cells of the full and quick runs.
-
-    ``metric`` is how a run is scored: ``rounds_to_target`` (fewer is better; the paper's
-    Tables 1-2) or ``last_accuracy`` (the mean test accuracy over the last ``last_k``
-    evaluations; higher is better, as in Reddi et al.'s Table 2).
-    """
-
-    name: str
-    title: str
-    paper: str
-    base: Mapping[str, Any]
-    full: Sequence[Cell]
-    quick: Sequence[Cell]
-    notes: str = ""
-    quick_notes: str = ""
-    full_time: str = ""
-    metric: str = "rounds_to_target"
-    last_k: int = 10
-    columns: Sequence[str] = ("local_epochs", "batch_size")
-    # Extra markdown appended to the report, computed from the results (optional).
-    extra_report: Callable[[dict[str, Any], Path], str] | None = None
-    # Runs a cell's config and returns its summary (default: fedax.experiments.run).
-    runner: Callable[..., dict[str, Any]] | None = None
-
-    def cells(self, quick: bool) -> Sequence[Cell]:
-        return self.quick if quick else self.full
-
-
-@dataclass(frozen=True)
-class CustomExperiment:
-    """An experiment that does not fit the cell/grid shape (e.g. learned hyperparameters):
-    ``run(out_dir, quick, progress, command) -> results`` writes ``results.json``,
-    ``report.md`` and its figures into ``out_dir`` itself (use :func:`machine_info` and
-    :func:`save_results` for the common fields)."""
-
-    name: str
-    title: str
-    run: Callable[[Path, bool, bool, str], dict[str, Any]]
-    full_description: str = ""
-    quick_description: str = ""
 
 
 def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
@@ -406,75 +332,6 @@ def _speedups(cells: list[dict[str, Any]]) -> None:
                     c["speedup"], c["speedup_bound"] = missed_in / ours, True
 
 
-def _fmt(value: Any, digits: int = 0) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "—"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def _fmt_column(value: Any) -> str:
-    """A config value in the table: floats as written (0.5, 0.001), not rounded."""
-    if isinstance(value, float) and math.isfinite(value):
-        return f"{value:g}"
-    return _fmt(value)
-
-
-def _ratio_check(cell: dict[str, Any]) -> str:
-    """Within 2x of the paper? '✓', '✗ (1.3x the paper)', or the reason it cannot say."""
-    ours, paper = cell["rounds_to_target"], cell["paper"]
-    if paper is None:
-        return "no paper value"
-    if ours is None and cell.get("in_progress"):
-        return f"in progress (not reached in {cell['rounds_run']} rounds)"
-    if ours is None:
-        return f"missed (target not reached in {cell['rounds_cap']} rounds)"
-    ratio = ours / paper
-    mark = "✓" if 0.5 <= ratio <= 2.0 else "✗"
-    return f"{mark} {ratio:.2f}× the paper"
-
-
-def figures(experiment: Experiment, cells: list[dict[str, Any]], out: Path,
-            target: float | None) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = []
-    for group in dict.fromkeys(c["group"] for c in cells):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        members = [c for c in cells if c["group"] == group]
-        group_target = members[0].get("target_accuracy", target)  # a cell may set its own
-        accs = []
-        for c in members:
-            label = (f"{c['method']} E={c['local_epochs']} B={c['batch_size']} "
-                     f"lr={c['lr']:g}")
-            if not experiment.columns:
-                label = f"{c['method']} ({c['lr_key']}={c['lr']:g})"
-            ax.plot(c["curve"]["round"], c["curve"]["test_accuracy"], label=label,
-                    linewidth=1.2)
-            accs += c["curve"]["test_accuracy"]
-        if group_target is not None:
-            ax.axhline(group_target, color="gray", linestyle="--", linewidth=0.8)
-        if accs:
-            lo = sorted(accs)[len(accs) // 20]
-            top = min(1.0, max(accs) + 0.02)
-            ax.set_ylim(max(0.0, min(lo, (group_target or top) - 0.05)), top)
-        ax.set_xlabel("communication rounds")
-        ax.set_ylabel("test accuracy")
-        ax.set_title(f"{experiment.title}: {group}", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        name = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in group) + ".png"
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        names.append(name)
-    return names
-
-
 def machine_info() -> dict[str, Any]:
     """The machine a report ran on (platform, Python, JAX, backend, devices, CPUs)."""
     import jax
@@ -487,100 +344,6 @@ def machine_info() -> dict[str, Any]:
         "devices": jax.device_count(),
         "cpus": os.cpu_count(),
     }
-
-
-def write_report(experiment: Experiment, results: dict[str, Any], out: Path) -> str:
-    cells = results["cells"]
-    target = results["target_accuracy"]
-    lines = [
-        f"# {experiment.title}",
-        "",
-        f"Paper: {experiment.paper}.",
-        "",
-        f"Command: `{results['command']}` ({'quick subset' if results['quick'] else 'full'}"
-        f"), {results['wall_time_s'] / 60:.1f} min on {results['machine']['cpus']} CPU cores "
-        f"({results['machine']['backend']}, JAX {results['machine']['jax']}), "
-        f"{'written' if results.get('in_progress') else 'finished'} {results['finished']}.",
-        "",
-    ]
-    if results.get("in_progress"):
-        lines += [
-            "**In progress.** Cells marked *in progress* are unfinished runs, read from their "
-            "newest checkpoints (`--report-only`); the command above continues them and "
-            "rewrites this report when they finish.",
-            "",
-        ]
-    if experiment.metric == "rounds_to_target":
-        several = len({c.get("target_accuracy", target) for c in cells}) > 1
-        goal = "each cell's target" if several else f"{target:.0%}"
-        lines += [
-            f"Rounds to {goal} test accuracy (best-so-far curve, linear interpolation; "
-            "— = not reached within the cap). Speedup = the group's FedSGD rounds / the "
-            "cell's rounds (≥ when FedSGD missed within its cap, or so far).",
-            "",
-        ]
-        header = ["method"] + [_COLUMN_NAMES.get(c, c) for c in experiment.columns] + [
-            "group", "lr", "rounds (fedax)", "rounds (paper)", "speedup (fedax)",
-            "speedup (paper)", "best acc", "vs paper", "wall s"]
-    else:
-        lines += [
-            f"Mean test accuracy over the last {experiment.last_k} evaluations (higher is "
-            "better); the learning rate is the grid value with the best such mean.",
-            "",
-        ]
-        header = ["method"] + [_COLUMN_NAMES.get(c, c) for c in experiment.columns] + [
-            "group", "lr", f"last-{experiment.last_k} acc", "best acc", "paper",
-            "rounds", "wall s"]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for c in cells:
-        cols = [_fmt_column(c["config"].get(k, c.get(k))) for k in experiment.columns]
-        lr = (f"{c['lr']:g}" + (" (edge)" if c["lr_at_grid_edge"] else "")
-              + (" *in progress*" if c.get("in_progress") else ""))
-        if experiment.metric == "rounds_to_target":
-            speed = c["speedup"]
-            speed_s = "—" if speed is None else (
-                f"{'≥' if c['speedup_bound'] else ''}{speed:.1f}×")
-            paper_speed = "—" if c["paper_speedup"] is None else f"{c['paper_speedup']:.1f}×"
-            row = [c["method"], *cols, c["group"], lr, _fmt(c["rounds_to_target"]),
-                   _fmt(c["paper"]), speed_s, paper_speed,
-                   f"{c['best_test_accuracy']:.4f}", _ratio_check(c),
-                   f"{c['wall_time_s']:.0f}"]
-        else:
-            row = [c["method"], *cols, c["group"], lr, f"{c['last_accuracy']:.4f}",
-                   f"{c['best_test_accuracy']:.4f}", _fmt(c["paper"], 1),
-                   str(c["rounds_run"]), f"{c['wall_time_s']:.0f}"]
-        lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "(edge) = the chosen learning rate is at the edge of its grid.", ""]
-    lines += ["## Learning-rate grids", ""]
-    for c in cells:
-        pts = ", ".join(
-            f"{p['lr']:g} → "
-            + (_fmt(p["rounds_to_target"]) if experiment.metric == "rounds_to_target"
-               else f"{p['last_accuracy']:.4f}")
-            + (f" (best acc {p['best_test_accuracy']:.4f})"
-               if experiment.metric == "rounds_to_target" and p["rounds_to_target"] is None
-               else "")
-            + (f" (in progress, {p['rounds_run']} rounds)" if p.get("in_progress") else "")
-            for p in c["grid"])
-        lines.append(f"- {c['method']} {c['name']}: {c['lr_key']} ∈ {{{pts}}}"
-                     + (f". {c['note']}" if c["note"] else ""))
-    lines.append("")
-    if experiment.notes:
-        lines += ["## Notes", "", experiment.notes.strip(), ""]
-    if results["quick"] and experiment.quick_notes:
-        lines += ["## The quick subset", "", experiment.quick_notes.strip(), ""]
-    if experiment.full_time:
-        lines += ["## The full table", "", experiment.full_time.strip(), ""]
-    if experiment.extra_report is not None:
-        lines += [experiment.extra_report(results, out), ""]
-    lines += ["## Figures", ""]
-    lines += [f"![{name}]({name})" for name in results["figures"]]
-    text = "\n".join(lines) + "\n"
-    (out / "report.md").write_text(text)
-    return text
-
-
-_COLUMN_NAMES = {"local_epochs": "E", "batch_size": "B", "target_accuracy": "target"}
 
 
 def reproduce(
@@ -669,3 +432,8 @@ def save_results(results: dict[str, Any], out: Path) -> None:
     """Write ``results.json`` (indented JSON, trailing newline)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+__all__ = ["Cell", "CustomExperiment", "Experiment", "cell_config", "figures", "lr_dirname",
+           "machine_info", "progress_summary", "reproduce", "run_cell", "run_one",
+           "save_results", "select_cells", "write_report"]

@@ -32,14 +32,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedax.reproduce.framework import (
-    Cell,
-    CustomExperiment,
-    Experiment,
-    machine_info,
-    run_one,
-    save_results,
-)
+from fedax.reproduce.custom import diverged, run_config, runs_experiment
+from fedax.reproduce.framework import CustomExperiment, Experiment, machine_info, save_results
+from fedax.reproduce.report import pyplot, save_png
 
 BLANCHARD = ("Blanchard, El Mhamdi, Guerraoui, Stainer, \"Machine Learning with Adversaries: "
              "Byzantine Tolerant Gradient Descent\", NeurIPS 2017 (Krum)")
@@ -101,16 +96,13 @@ def _experiment(settings: Mapping[str, Any], rounds: int) -> Experiment:
     base = {**BASE, "num_clients": settings["num_clients"],
             "client_fraction": settings["client_fraction"], "rounds": rounds,
             "eval_every": settings["eval_every"], "seed": settings["seed"]}
-    return Experiment(name="robust-aggregation", title="", paper="", base=base, full=(),
-                      quick=(), metric="last_accuracy", last_k=1, runner=_runner)
+    return runs_experiment("robust-aggregation", base, 1, title="", runner=_runner)
 
 
 def _run(experiment: Experiment, name: str, extra: dict[str, Any], out: Path,
          progress: bool, log) -> dict[str, Any]:
-    cell = Cell(name=name, method=name, group="", config=extra,
-                lr_grid=(experiment.base["client_lr"],))
-    summary = run_one(experiment, cell, experiment.base["client_lr"], out / "runs" / name,
-                      progress=progress)
+    summary = run_config(experiment, name, name, extra, out / "runs" / name,
+                         progress=progress)
     records = summary["records"]
     last = records[-1] if records else {}
     final = summary.get("final_test_accuracy")
@@ -118,8 +110,7 @@ def _run(experiment: Experiment, name: str, extra: dict[str, Any], out: Path,
            "best_test_accuracy": summary.get("best_test_accuracy"),
            "backdoor_success": last.get("backdoor_success"),
            "clipped_clients": last.get("clipped_clients"),
-           "diverged": bool(summary.get("diverged")) or not (
-               isinstance(final, (int, float)) and math.isfinite(final)),
+           "diverged": diverged(summary),
            "wall_time_s": summary.get("wall_time_s"), "reused": bool(summary.get("reused")),
            "curve": [[r["round"], r["test_accuracy"], r.get("backdoor_success")]
                      for r in records]}
@@ -314,10 +305,7 @@ def report(results: Mapping[str, Any]) -> str:
 
 
 def _figure(results: Mapping[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     s = results["settings"]
     attacks = s["attacks"]
@@ -335,9 +323,7 @@ def _figure(results: Mapping[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("final test accuracy")
     axes[-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 ROBUST_AGGREGATION = CustomExperiment(
