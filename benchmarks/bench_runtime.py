@@ -62,8 +62,10 @@ def _cpu() -> float:
 def _task(num_clients: int):
     from fedax.runtime import Task
 
-    return Task("fedavg", "2nn", num_clients, client_lr=0.05, local_epochs=1, batch_size=10,
-                seed=0, input_shape=[28, 28, 1])
+    config = {"seed": 0, "rounds": 1, "dataset": "mnist", "partition": "iid",
+              "num_clients": num_clients, "model": "2nn", "algorithm": "fedavg",
+              "client_fraction": 1.0, "local_epochs": 1, "batch_size": 10, "client_lr": 0.05}
+    return Task(config, num_clients, [28, 28, 1])
 
 
 def run_stubs(port: int, ca: str, tokens: dict[int, str], num_clients: int,

@@ -140,3 +140,48 @@ def test_engine_sections_dump_only_with_their_mode():
     assert "network" not in config_to_dict(sync) and "asynchronous" not in config_to_dict(sync)
     network = config_to_dict(load_config(CONFIG, NETWORK))
     assert network["network"]["local_clients"] == 2 and "asynchronous" not in network
+
+
+@pytest.mark.serial
+def test_server_init_start_and_clients_from_one_config(tmp_path, capsys):
+    """``fedax server init --config`` writes the config and the setup; ``fedax server start
+    --config`` serves it and ``fedax client --config --id 0-2`` (one process, three
+    clients) trains on the config's partition; the outputs are ``fedax run``'s."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from fedax.cli.main import main
+
+    setup = tmp_path / "setup"
+    assert main(["server", "init", str(setup), "--clients", "3", "--set", "rounds=2"]) == 0
+    assert main(["server", "start", "--config", str(setup / "config.yaml"),
+                 "--rounds", "3"]) == 2
+    assert "--rounds come from the config" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "GRPC_VERBOSITY": "ERROR"}
+    fedax = [sys.executable, "-m", "fedax.cli.main"]
+    server = subprocess.Popen([*fedax, "server", "start", "--config",
+                               str(setup / "config.yaml"), "--port", str(port), "--out",
+                               str(tmp_path / "run"), "--linger-s", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        client = subprocess.run([*fedax, "client", "--server", f"127.0.0.1:{port}", "--ca",
+                                 str(setup / "ca.pem"), "--config", str(setup / "config.yaml"),
+                                 "--id", "0-2", "--token-file", str(setup / "tokens/{id}.token"),
+                                 "--state-dir", str(tmp_path / "c{id}"), "--connect-s", "60"],
+                                capture_output=True, text=True, env=env, timeout=120)
+        out, err = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert client.returncode == 0, client.stderr
+    for k in range(3):
+        assert f"fedax client {k}: done; 2 of 2 reports accepted" in client.stderr
+    assert server.returncode == 0, err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["rounds_run"] == 2
+    assert len(records(tmp_path / "run")) == 2

@@ -69,12 +69,19 @@ def parts():
             for k in range(NUM_CLIENTS)]
 
 
-def make_task(algorithm="fedavg", **kw):
-    base = dict(algorithm=algorithm, model="logistic", num_clients=NUM_CLIENTS,
-                client_lr=0.1, local_epochs=2, batch_size=10, seed=7, input_shape=[DIM],
-                model_options={"input_dim": DIM, "num_classes": CLASSES})
-    base.update(kw)
-    return Task(**base)
+# The experiment config the tasks here are made from: every client in every round.
+BASE_CONFIG = {"seed": 7, "rounds": 3, "dataset": "synthetic",
+               "model": "logistic", "client_fraction": 1.0, "local_epochs": 2,
+               "batch_size": 10, "client_lr": 0.1}
+
+
+def make_task(algorithm="fedavg", num_clients=NUM_CLIENTS, input_shape=(DIM,), **config):
+    """The runtime task of an experiment config (``BASE_CONFIG`` with ``algorithm`` and the
+    keys in ``config``: ``privacy``, ``robust``, ``algorithm_options``, ...), on clients of
+    ``input_shape`` examples (the logistic model's ``input_dim``)."""
+    data = {**BASE_CONFIG, "algorithm": algorithm, "num_clients": num_clients, **config}
+    return Task(data, num_clients, list(input_shape),
+                {"input_dim": int(np.prod(input_shape)), "num_classes": CLASSES})
 
 
 def start_server(task, pki, key="seed", **config):
@@ -130,7 +137,8 @@ def simulated(task, parts, rounds, cohorts=None, aggregator=None, history_out=Fa
         return softmax_cross_entropy(model.apply(params, batch.x), batch.y, batch.mask)
 
     algorithm = make(task.algorithm, loss_fn, num_clients=task.num_clients,
-                     client_lr=task.client_lr, aggregator=aggregator, **task.options)
+                     client_lr=task.client_lr, aggregator=aggregator,
+                     **task.spec().algorithm_options)
 
     def cohort(t):
         ids = range(len(parts)) if cohorts is None else cohorts[t]
@@ -230,18 +238,19 @@ def test_client_processes_equal_the_simulator(pki, parts, tmp_path):
     assert all((tmp_path / f"client{k}" / "client_state.msgpack").exists() for k in range(n))
 
 
-# DP-FedAvg over the network: the spec in the task, the oracle built here directly.
+# DP-FedAvg over the network: the config's privacy section in the task, the oracle built
+# here directly.
 S, Z = 0.05, 1.0  # S well below the updates' norms: every client is clipped
 DP_CASES = {
     "dp_gaussian": (
-        {"kind": "dp_gaussian", "clip": S, "noise_multiplier": Z,
-         "expected_clients": NUM_CLIENTS},
+        {"level": "user", "mechanism": "gaussian", "clip": S, "noise_multiplier": Z},
         lambda: aggregators.dp_gaussian(S, Z, NUM_CLIENTS)),
-    "dp_adaptive_gaussian": (  # z < 2·σ_b = 2·m/20
-        {"kind": "dp_adaptive_gaussian", "noise_multiplier": 0.5,
-         "expected_clients": NUM_CLIENTS, "initial_clip": S, "learning_rate": 0.5},
+    "dp_adaptive_gaussian": (  # z < 2·σ_b; σ_b = max(m/20, z), the config's rule
+        {"level": "user", "mechanism": "adaptive", "noise_multiplier": 0.5, "clip": S,
+         "clip_learning_rate": 0.5},
         lambda: aggregators.dp_adaptive_gaussian(0.5, NUM_CLIENTS, initial_clip=S,
-                                                 learning_rate=0.5)),
+                                                 learning_rate=0.5,
+                                                 clipped_count_stddev=0.5)),
 }
 
 
@@ -251,9 +260,9 @@ def test_dp_round_over_the_network_equals_the_simulators(kind, pki, parts, tmp_p
     and the state update on the server from the round key: the simulator's DP round,
     same seed, same noise, to float tolerance."""
     rounds = 3
-    spec, make_aggregator = DP_CASES[kind]
-    task = make_task("fedavg", aggregator=spec)
-    assert Task.from_json(task.to_json()) == task  # the spec travels as JSON
+    privacy, make_aggregator = DP_CASES[kind]
+    task = make_task("fedavg", privacy=privacy)
+    assert Task.from_json(task.to_json()) == task  # the config travels as JSON
     server = networked(task, pki, parts, tmp_path, rounds)
     expected, history = simulated(task, parts, rounds, aggregator=make_aggregator(),
                                   history_out=True)
@@ -275,7 +284,8 @@ def test_example_level_dp_sgd_over_the_network(pki, parts, tmp_path):
     (``state_dir/client_seed``, never sent); the model is FedAvg of exactly those local
     DP-SGD runs, computed here with ``dp_local_train`` and each client's key."""
     rounds, clip, z = 2, 0.5, 1.0
-    task = make_task("fedavg", example_privacy=[clip, z])
+    task = make_task("fedavg", privacy={"level": "example", "clip": clip,
+                                        "noise_multiplier": z})
     seeds = {k: bytes([k + 1]) * 32 for k in range(NUM_CLIENTS)}
     for k, seed in seeds.items():
         (tmp_path / f"client{k}").mkdir()
@@ -313,54 +323,41 @@ def test_example_level_dp_sgd_over_the_network(pki, parts, tmp_path):
     assert gap > 1e-3, gap  # the clients' noise is in the model
 
 
-def test_aggregator_specs(tmp_path, capsys):
-    """Every kind builds, the robust rules included; a bad spec fails at the task with a
-    message naming the fix (``fedax server init --aggregator`` too, before writing
-    anything); a task without a spec keeps its old JSON (and hash)."""
-    from fedax.cli.main import main
+def test_every_aggregator_section_builds_and_travels(tmp_path):
+    """A task is the config's task part: every aggregator section builds on the server's
+    side and round-trips as JSON; a bad one fails when the task is made, naming its key; a
+    task.json of the older form (its own aggregator kinds) is refused in one line."""
+    from fedax.runtime import build
 
-    spec = '{"kind": "dp_gaussian", "clip": 0.5, "noise_multiplier": 1.0, "expected_clients": 2}'
-    assert main(["server", "init", str(tmp_path / "ok"), "--clients", "2",
-                 "--aggregator", spec]) == 0
-    written = Task.from_json((tmp_path / "ok" / "task.json").read_text())
-    assert written.aggregator == json.loads(spec)
-    assert main(["server", "init", str(tmp_path / "bad"), "--clients", "2",
-                 "--aggregator", '{"kind": "dp_gaussian", "clip": 0.5}']) == 2
-    assert "missing a required argument: 'noise_multiplier'" in capsys.readouterr().err
-    assert not (tmp_path / "bad").exists()
-    assert "aggregator" not in make_task().to_json()
-    for spec in ({"kind": "mean"}, {"kind": "clip_norm", "clip": 1.0},
-                 {"kind": "dp_gaussian", "clip": 1, "noise_multiplier": 1, "denominator": 3.0,
-                  "weighting": "capped", "example_cap": 20},
-                 {"kind": "adaclip", "noise_multiplier": 0.5, "expected_clients": 6},
-                 {"kind": "robust", "rule": "median"},
-                 {"kind": "robust", "rule": "trimmed_mean", "beta": 0.2, "clip": 1.0}):
-        task = make_task(aggregator=spec)
+    for section in ({"privacy": {"mechanism": "gaussian", "clip": 1.0,
+                                 "noise_multiplier": 1.0}},
+                    {"privacy": {"mechanism": "adaclip", "noise_multiplier": 0.5}},
+                    {"privacy": {"level": "example", "clip": 1.0, "noise_multiplier": 0.5}},
+                    {"robust": {"rule": "median"}},
+                    {"robust": {"rule": "norm_bounding", "norm_bound": 1.0}},
+                    {"robust": {"rule": "trimmed_mean", "beta": 0.2, "clip": 1.0}},
+                    {"compression": {"scheme": "qsgd", "levels": 16}}):
+        task = make_task(**section)
         assert Task.from_json(task.to_json()) == task
-    cases = {"unknown aggregator kind 'fancy'": {"kind": "fancy"},
-             "aggregator 'dp_gaussian'.*expected_clients": {"kind": "dp_gaussian", "clip": 1.0,
-                                                            "noise_multiplier": 1.0},
-             "dp_gaussian clip must be > 0": {"kind": "dp_gaussian", "clip": -1,
-                                              "noise_multiplier": 1.0, "expected_clients": 3},
-             "aggregator 'clip_norm'.*bound": {"kind": "clip_norm", "clip": 1.0, "bound": 2},
-             "unknown robust rule": {"kind": "robust", "rule": "mode"},
-             "must be": ["dp_gaussian"]}
-    for message, spec in cases.items():
+        assert build(task).pieces is not None
+    cases = {"config key 'privacy.clip': must be a number > 0": {
+        "privacy": {"mechanism": "gaussian", "clip": -1.0}},
+             "unknown config key 'robust.mode'": {"robust": {"rule": "median", "mode": 1}},
+             "holds no engine section": {"execution": {"mode": "network"}}}
+    for message, section in cases.items():
         with pytest.raises(ValueError, match=message):
-            make_task(aggregator=spec)
-    with pytest.raises(ValueError, match="the task's own field"):
-        make_task(options={"aggregator": "mean"})
-    with pytest.raises(ValueError, match=r"\[l2_clip, noise_multiplier\]"):
-        make_task(example_privacy=[1.0])
-    keyed = make_task(example_privacy=[1, 0.5])
-    assert keyed.example_privacy == [1.0, 0.5] and Task.from_json(keyed.to_json()) == keyed
+            make_task(**section)
+    old = {"algorithm": "fedavg", "model": "logistic", "num_clients": 2, "client_lr": 0.1,
+           "aggregator": {"kind": "mean"}}
+    with pytest.raises(ValueError, match="older fedax.*fedax server init DIR --config"):
+        Task.from_json(json.dumps(old))
 
 
 def test_robust_aggregator_over_the_network(pki, parts, tmp_path):
     """A robust reduction (the clip on each client, the coordinate-wise median of the
     reports on the server) gives the simulator's model."""
     rounds, rule = 2, "median"
-    task = make_task("fedavg", aggregator={"kind": "robust", "rule": rule, "clip": 0.5})
+    task = make_task("fedavg", robust={"rule": rule, "clip": 0.5})
     server = networked(task, pki, parts, tmp_path, rounds)
     expected = simulated(task, parts, rounds,
                          aggregator=aggregators.robust(rule, clip=0.5))
@@ -513,15 +510,21 @@ def test_the_commands(pki, tmp_path, capsys):
     """``fedax server init`` writes a working setup, ``fedax server status`` reads a running
     server, and a refused client ends in one line."""
     from fedax.cli.main import main
+    from fedax.experiments.config import load_config
+    from fedax.experiments.datasets import build_data
+    from fedax.runtime.launch import network_task
 
     out = tmp_path / "setup"
-    assert main(["server", "init", str(out), "--clients", "2"]) == 0
-    for name in ("ca.pem", "server.pem", "server.key", "registry.json", "task.json",
-                 "tokens/0.token", "tokens/1.token", "data/client_0.npz", "data/test.npz"):
+    assert main(["server", "init", str(out), "--clients", "2", "--set", "rounds=1"]) == 0
+    for name in ("ca.pem", "server.pem", "server.key", "registry.json", "config.yaml",
+                 "tokens/0.token", "tokens/1.token"):
         assert (out / name).is_file(), name
+    config = load_config(out / "config.yaml")
+    assert (config.execution.mode, config.network.setup, config.num_clients,
+            config.rounds) == ("network", str(out.resolve()), 2, 1)
     setup = {"cert": str(out / "server.pem"), "key": str(out / "server.key"),
              "registry": str(out / "registry.json")}
-    task = Task.from_json((out / "task.json").read_text())
+    task = network_task(config, build_data(config))
     server, port = start_server(task, setup, rounds=1, cohort_size=2)
     try:
         capsys.readouterr()
@@ -531,7 +534,7 @@ def test_the_commands(pki, tmp_path, capsys):
         (tmp_path / "bad.token").write_text("not-the-token")
         status = main(["client", "--server", f"localhost:{port}", "--ca", str(out / "ca.pem"),
                        "--id", "0", "--token-file", str(tmp_path / "bad.token"),
-                       "--data", str(out / "data" / "client_0.npz"), "--reconnect-s", "2"])
+                       "--config", str(out / "config.yaml"), "--reconnect-s", "2"])
         err = capsys.readouterr().err.strip().splitlines()
         assert status == 2 and err[-1] == ("fedax: error: the server refused client 0: "
                                            "refused: unknown client, wrong token or "

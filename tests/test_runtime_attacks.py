@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from test_runtime import NUM_CLIENTS, make_task, start_server
 
-from fedax.runtime import ClientTLS, Connection, Server, ServerConfig, Task, wire
+from fedax.runtime import ClientTLS, Connection, Server, ServerConfig, wire
 from fedax.runtime.client import load_or_make_secret, train_key
 from fedax.runtime.gate import Rejections
 from fedax.runtime.security import metadata
@@ -138,8 +138,8 @@ def test_dp_noise_is_not_predictable_from_what_clients_see(pki, tmp_path):
     keyed from its seed (the old design) it predicts the noised model exactly; with the
     server's own secret the prediction misses by the noise itself."""
     clip, z, m = 0.05, 1.0, 3
-    task = make_task(aggregator={"kind": "dp_gaussian", "clip": clip, "noise_multiplier": z,
-                                 "expected_clients": m})
+    task = make_task(client_fraction=m / NUM_CLIENTS,  # the DP denominator m = 3
+                     privacy={"mechanism": "gaussian", "clip": clip, "noise_multiplier": z})
     assert "key" not in json.loads(task.to_json()) and "secret" not in task.to_json()
 
     def honest(k):
@@ -202,11 +202,11 @@ def test_weights_out_of_range_are_rejected_and_the_model_is_the_honest_clients(w
 
 
 def test_a_clip_violating_update_is_clipped_by_the_server(pki):
-    """``clip_norm(0.1)``: a client that skips its clip (100 per entry) is clipped by the
-    server; the aggregate is the NumPy mean of the clipped updates (it moved parameters by
-    33 when clients clipped themselves)."""
+    """Norm bounding at 0.1 (clip, then the mean): a client that skips its clip (100 per
+    entry) is clipped by the server; the aggregate is the NumPy mean of the clipped updates
+    (it moved parameters by 33 when clients clipped themselves)."""
     clip = 0.1
-    task = make_task(aggregator={"kind": "clip_norm", "clip": clip})
+    task = make_task(robust={"rule": "norm_bounding", "norm_bound": clip})
     updates = {0: None, 1: None, 7: 100.0}
     makers = {k: (lambda env, t, k=k: _report(
         t, _honest_updates(t, k) if updates[k] is None else updates[k], 10, 10))
@@ -255,13 +255,13 @@ def test_oversized_scaffold_sums_are_rejected(pki):
 
 def test_combinations_the_server_cannot_protect_are_refused():
     with pytest.raises(ValueError, match="does not protect"):
-        make_task("scaffold", aggregator={"kind": "robust", "rule": "median"})
-    with pytest.raises(ValueError, match="does not protect"):
-        make_task("fednova", aggregator={"kind": "dp_gaussian", "clip": 1.0,
-                                         "noise_multiplier": 1.0, "expected_clients": 3})
+        make_task("scaffold", robust={"rule": "median"})
+    with pytest.raises(ValueError, match="as exact sums beside the update"):
+        make_task("fednova", privacy={"mechanism": "gaussian", "clip": 1.0,
+                                      "noise_multiplier": 1.0})
     with pytest.raises(ValueError, match="cannot check"):
         make_task("scaffold_option1")
-    make_task("fednova", aggregator={"kind": "robust", "rule": "median"})  # n, τ bounded
+    make_task("fednova", robust={"rule": "median"})  # n, τ bounded
 
 
 def test_a_non_finite_aggregate_is_discarded(pki, monkeypatch):
@@ -395,8 +395,7 @@ def test_chunk_size_is_negotiated_at_join(pki):
     """A server with 4 MiB pieces and a client that takes 1 MiB: the client gets its task
     (a 2 MB model) in 1 MiB pieces; the old fixed receive limit broke every client."""
     big = 100_000
-    task = Task("fedavg", "logistic", 12, client_lr=0.1, input_shape=[big],
-                model_options={"input_dim": big, "num_classes": 5})
+    task = make_task(num_clients=12, input_shape=(big,))
     server, port = start_server(task, pki, rounds=1, cohort_size=1, chunk_bytes=4 << 20)
     conn = Connection(f"127.0.0.1:{port}", ClientTLS(pki["ca"]), 2, pki["tokens"][2],
                       timeout_s=20.0, max_chunk_bytes=1 << 20)

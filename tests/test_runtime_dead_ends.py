@@ -23,7 +23,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from test_runtime import make_task
 
+from fedax.cli import runtime as runtime_commands
 from fedax.cli.main import main
 from fedax.runtime import (
     Client,
@@ -33,7 +35,6 @@ from fedax.runtime import (
     Server,
     ServerConfig,
     ServerTLS,
-    Task,
     Unreachable,
     make_dev_pki,
     server_status,
@@ -56,25 +57,26 @@ def snapshot(root: Path) -> dict[str, bytes | None]:
 
 
 def test_failed_init_leaves_nothing_and_the_corrected_command_works(tmp_path, capsys):
-    """``--algorithm nosuch`` is found only after the CA, tokens and registry are made."""
+    """A config the network cannot run is refused before anything is written."""
     out = tmp_path / "deep" / "setup"
-    assert main(["server", "init", str(out), "--clients", "2", "--algorithm", "nosuch"]) == 2
-    assert "unknown algorithm 'nosuch'" in capsys.readouterr().err
+    assert main(["server", "init", str(out), "--clients", "2", "--set", "algorithm=nosuch"]) == 2
+    assert "config key 'algorithm'" in capsys.readouterr().err
+    assert main(["server", "init", str(out), "--set", "stragglers=0.5"]) == 2
+    assert "execution.mode network" in capsys.readouterr().err
     assert snapshot(tmp_path) == {}  # no setup, no staging directory, no parents
     assert main(["server", "init", str(out), "--clients", "2"]) == 0
     assert sorted(snapshot(out)) == [
-        "ca.pem", "data", "data/client_0.npz", "data/client_1.npz", "data/test.npz",
-        "registry.json", "server.key", "server.pem", "task.json", "tokens", "tokens/0.token",
-        "tokens/1.token"]
+        "ca.pem", "config.yaml", "registry.json", "server.key", "server.pem", "tokens",
+        "tokens/0.token", "tokens/1.token"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deep"]
     assert sorted(p.name for p in (tmp_path / "deep").iterdir()) == ["setup"]
 
 
 def _fail_at_the_last_step(monkeypatch, error):
-    def to_json(self):
+    def config_text(config, source):
         raise error
 
-    monkeypatch.setattr(Task, "to_json", to_json)
+    monkeypatch.setattr(runtime_commands, "_config_text", config_text)
 
 
 def test_failed_init_in_an_existing_directory_and_overwrite(tmp_path, capsys, monkeypatch):
@@ -83,7 +85,7 @@ def test_failed_init_in_an_existing_directory_and_overwrite(tmp_path, capsys, mo
     (out / "notes.txt").write_text("mine")
     before = snapshot(tmp_path)
 
-    # A full disk at the last write (task.json): exit 1, and the directory as it was.
+    # A full disk at the last write (config.yaml): exit 1, and the directory as it was.
     with monkeypatch.context() as m:
         _fail_at_the_last_step(m, OSError(errno.ENOSPC, "No space left on device"))
         assert main(["server", "init", str(out), "--clients", "2"]) == 1
@@ -147,8 +149,7 @@ def other_ca(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(pki):
     """A real fedax server on 127.0.0.1 (it never starts a round: no client joins)."""
-    task = Task("fedavg", "logistic", 2, client_lr=0.1, local_epochs=1, batch_size=10,
-                seed=0, input_shape=[4], model_options={"input_dim": 4, "num_classes": 2})
+    task = make_task(num_clients=2, input_shape=(4,))
     srv = Server(task, ServerConfig(rounds=1, cohort_size=2, poll_interval_s=0.05),
                  ServerTLS(pki["cert"], pki["key"]), Registry.load(pki["registry"]))
     port = srv.start()

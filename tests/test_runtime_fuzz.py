@@ -1094,8 +1094,8 @@ def test_join_with_random_chunk_sizes(live, wanted):
     reply = _call(live, "Join", meta, [b""])
     asked = _header_int(wanted)
     expected = CHUNK if asked is None else min(max(asked, 1024), CHUNK)
-    assert reply.chunk_bytes == expected and json.loads(reply.task_json)["algorithm"] == \
-        "fedavg"
+    assert reply.chunk_bytes == expected and json.loads(reply.task_json)["config"][
+        "algorithm"] == "fedavg"
 
 
 def test_server_is_up_after_the_fuzzing(live):

@@ -66,21 +66,6 @@ def _data_file(path: str | Path):
                          "with arrays x and y (fedax server init writes examples)") from None
 
 
-def _aggregator_spec(text: str | None):
-    if text is None:
-        return None
-    try:
-        spec = json.loads(text)
-    except ValueError as err:
-        raise ValueError(f"--aggregator is not JSON ({err}); e.g. --aggregator "
-                         "'{\"kind\": \"dp_gaussian\", \"clip\": 0.5, "
-                         "\"noise_multiplier\": 1.0, \"expected_clients\": 4}'") from None
-    from fedax.experiments.build import make_aggregator
-
-    make_aggregator(spec)  # a bad spec fails before anything is written
-    return spec
-
-
 @contextlib.contextmanager
 def _staged(out: Path, overwrite: bool):
     """Yields an empty directory to write a setup into: beside ``out``, or inside it if
@@ -134,91 +119,60 @@ def _move_into(stage: Path, out: Path, overwrite: bool) -> None:
     shutil.rmtree(stage)
 
 
-def _init_from_config(args, out: Path) -> int:
-    """``fedax server init DIR --config CONFIG``: the config with ``execution.mode:
-    network`` and ``network.setup: DIR`` (clients hold their data), and the PKI and tokens
-    for its N clients."""
+# ``fedax server init`` without --config: Synthetic(1, 1) (60 features, 10 classes) with
+# the logistic model, every client every round.
+DEFAULT_CONFIG = {"seed": 0, "rounds": 5, "dataset": "synthetic",
+                  "model": "logistic", "algorithm": "fedavg", "client_fraction": 1.0,
+                  "local_epochs": 1, "batch_size": 10, "client_lr": 0.05, "eval_every": 1}
+
+
+def _config_text(config, source: str) -> str:
+    """The setup's ``config.yaml``: the config as YAML, headed by where it came from."""
     import yaml
 
+    from fedax.experiments.config import config_to_dict
+
+    return f"# fedax server init from {source}\n" + yaml.safe_dump(config_to_dict(config),
+                                                                   sort_keys=False)
+
+
+@_one_line
+def cmd_server_init(args) -> int:
+    """An experiment config for ``execution.mode: network`` (``--config``, or a small
+    synthetic one) with ``network.setup: DIR``, and for its N clients a CA, a server
+    certificate, tokens and the registry; written beside DIR and moved into it only when all
+    of them are made. Clients hold their own data (``fedax client --config``)."""
     from fedax.cli.run_dirs import resolve_config
-    from fedax.experiments.config import config_to_dict, load_config
+    from fedax.experiments.config import load_config, validate_config, with_overrides
     from fedax.experiments.datasets import build_data
     from fedax.runtime import make_dev_pki
     from fedax.runtime.launch import network_task
 
+    out = Path(args.dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; name a directory for the setup")
+    if (out / "registry.json").exists() and not args.overwrite:
+        raise ValueError(f"{out} already holds a setup; pass --overwrite to replace it")
     target = Path(os.path.abspath(out))
-    config = load_config(resolve_config(args.config), [*args.set, "execution.mode=network",
-                                       f"network.setup={target}", "network.local_clients=0"])
+    sets = [*([f"num_clients={args.clients}"] if args.clients else []), *args.set,
+            "execution.mode=network", f"network.setup={target}", "network.local_clients=0"]
+    if args.config is not None:
+        config, source = load_config(resolve_config(args.config), sets), args.config
+    else:
+        config = validate_config(with_overrides({**DEFAULT_CONFIG, "num_clients": 4}, sets))
+        source = "defaults"
     data = build_data(config)
     network_task(config, data)  # what the network cannot run is refused before anything
     hosts = [h for h in args.hosts.split(",") if h]
     n = data.train.num_clients
     with _staged(out, args.overwrite) as stage:
         make_dev_pki(stage, n, hosts)
-        text = yaml.safe_dump(config_to_dict(config), sort_keys=False)
-        (stage / "config.yaml").write_text(f"# fedax server init --config {args.config}\n"
-                                           + text)
+        (stage / "config.yaml").write_text(_config_text(config, source))
     print(f"wrote ca.pem, server.pem/.key, registry.json, tokens/0..{n - 1}.token and "
           f"config.yaml in {out}; start the server with: fedax server start --config "
           f"{out}/config.yaml, and each client with: fedax client --server HOST:PORT --ca "
           f"{out}/ca.pem --config {out}/config.yaml --id K --token-file {out}/tokens/K.token")
     return 0
-
-
-@_one_line
-def cmd_server_init(args) -> int:
-    """A CA, server certificate, tokens, registry and, with ``--config``, the experiment
-    config for the network; without, a hand-built task.json and per-client data files;
-    written beside DIR and moved into it only when all of them are made."""
-    out = Path(args.dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} is a file; name a directory for the setup")
-    if (out / "registry.json").exists() and not args.overwrite:
-        raise ValueError(f"{out} already holds a setup; pass --overwrite to replace it")
-    if args.config is not None:
-        return _init_from_config(args, out)
-    aggregator = _aggregator_spec(args.aggregator)
-    with _staged(out, args.overwrite) as stage:
-        _write_setup(stage, args, aggregator)
-    print(f"wrote ca.pem, server.pem/.key, registry.json, tokens/0..{args.clients - 1}"
-          f".token, task.json and data/client_*.npz, data/test.npz in {out}")
-    return 0
-
-
-def _write_setup(out: Path, args, aggregator) -> None:
-    import numpy as np
-
-    from fedax.runtime import Task, make_dev_pki
-
-    hosts = [h for h in args.hosts.split(",") if h]
-    make_dev_pki(out, args.clients, hosts)
-    if args.dataset == "synthetic":
-        from fedax.data import synthetic
-
-        train, test = synthetic(1.0, 1.0, num_clients=args.clients, dim=60, num_classes=10,
-                                seed=args.seed)
-        parts = [(train.x[train.client_indices(k)], train.y[train.client_indices(k)])
-                 for k in range(args.clients)]
-        x_test, y_test = test.x, test.y
-        task = Task(args.algorithm or "fedavg", "logistic", args.clients, client_lr=0.05,
-                    local_epochs=1, batch_size=10, seed=args.seed, input_shape=[60],
-                    model_options={"input_dim": 60, "num_classes": 10},
-                    aggregator=aggregator)
-    else:
-        from fedax.data import iid, load_mnist
-
-        data = load_mnist()
-        split = iid(len(data["y_train"]), args.clients, args.seed)
-        parts = [(data["x_train"][p], data["y_train"][p]) for p in split]
-        x_test, y_test = data["x_test"], data["y_test"]
-        task = Task(args.algorithm or "fedavg", "2nn", args.clients, client_lr=0.05,
-                    local_epochs=1, batch_size=10, seed=args.seed, input_shape=[28, 28, 1],
-                    aggregator=aggregator)
-    (out / "data").mkdir(exist_ok=True)
-    for k, (x, y) in enumerate(parts):
-        np.savez(out / "data" / f"client_{k}.npz", x=x.astype(np.float32), y=y.astype(np.int32))
-    np.savez(out / "data" / "test.npz", x=x_test.astype(np.float32), y=y_test.astype(np.int32))
-    (out / "task.json").write_text(json.dumps(json.loads(task.to_json()), indent=1) + "\n")
 
 
 def _server_address(parser) -> None:
@@ -229,16 +183,19 @@ def _server_address(parser) -> None:
 
 
 def _server_config(args):
+    """``--task``'s ``ServerConfig`` from the flags (unset ones: its defaults)."""
     from fedax.runtime import ServerConfig
 
+    given = {"over_selection": args.over_selection, "deadline_s": args.deadline_s,
+             "max_attempts": args.max_attempts, "max_examples": args.max_examples}
     return ServerConfig(
-        rounds=args.rounds, cohort_size=args.cohort_size, over_selection=args.over_selection,
-        min_reports=args.min_reports, min_clients=args.min_clients, deadline_s=args.deadline_s,
-        max_attempts=args.max_attempts, poll_interval_s=args.poll_interval_s,
+        rounds=args.rounds, cohort_size=args.cohort_size, min_reports=args.min_reports,
+        min_clients=args.min_clients, poll_interval_s=args.poll_interval_s,
         poll_hold_s=args.poll_hold_s, liveness_s=args.liveness_s,
         max_message_bytes=int(args.max_message_mb * (1 << 20)),
         chunk_bytes=int(args.chunk_kb * 1024), checkpoint_dir=args.checkpoint_dir,
-        max_examples=args.max_examples, keep_checkpoints=args.keep_checkpoints)
+        keep_checkpoints=args.keep_checkpoints,
+        **{k: v for k, v in given.items() if v is not None})
 
 
 def _start_from_config(args) -> int:
@@ -248,12 +205,28 @@ def _start_from_config(args) -> int:
     from fedax.experiments.config import load_config
     from fedax.runtime.launch import run_network
 
+    given = [f"--{n.replace('_', '-')}" for n in ("rounds", "cohort_size", "over_selection",
+                                                   "min_reports", "deadline_s",
+                                                   "max_attempts", "max_examples",
+                                                   "checkpoint_dir", "test_data", "cert",
+                                                   "key", "registry")
+             if getattr(args, n) is not None]
+    if given:
+        raise ValueError(f"with --config, {', '.join(given)} come from the config (rounds, "
+                         "the network: section, network.setup); set them with --set, e.g. "
+                         "--set network.cohort_size=10")
     config = load_config(resolve_config(args.config), [*args.set, "execution.mode=network",
                                        "network.local_clients=0",
                                        f"network.host={args.host}",
                                        f"network.port={args.port}"])
     out = Path(args.out or "runs/server")
-    summary = run_network(config, out, resume=args.resume)
+    options = {"poll_interval_s": args.poll_interval_s,
+               "poll_hold_s": args.poll_hold_s, "liveness_s": args.liveness_s,
+               "max_message_bytes": int(args.max_message_mb * (1 << 20)),
+               "chunk_bytes": int(args.chunk_kb * 1024),
+               "keep_checkpoints": args.keep_checkpoints,
+               **({} if args.min_clients is None else {"min_clients": args.min_clients})}
+    summary = run_network(config, out, resume=args.resume, server_options=options)
     print(json.dumps({k: summary[k] for k in ("status", "rounds_run", "final_test_accuracy")},
                      indent=1))
     return 0
@@ -414,27 +387,17 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     server_sub = server.add_subparsers(dest="server_command", required=True)
     init = server_sub.add_parser(
         "init", parents=[common],
-        help="a test setup in DIR: CA + server certificate, client tokens and registry, "
-             "task.json, one data file per client (for one machine or a trial)")
+        help="a setup in DIR: config.yaml (execution.mode network), a CA and server "
+             "certificate, a token per client and the registry (for one machine or a trial)")
     init.add_argument("dir")
-    init.add_argument("--clients", type=int, default=4, help="number of clients (default 4)")
+    init.add_argument("--config", help="the experiment config (a bundled name or a path; "
+                      "default: Synthetic(1, 1) with the logistic model)")
+    init.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a config key (repeatable), e.g. --set algorithm=fedprox")
+    init.add_argument("--clients", type=int, help="the number of clients (num_clients; "
+                                                  "default the config's, 4 without one)")
     init.add_argument("--hosts", default="localhost,127.0.0.1",
                       help="host names / IPs the server certificate is valid for")
-    init.add_argument("--dataset", choices=("synthetic", "mnist"), default="synthetic",
-                      help="synthetic: Synthetic(1,1), logistic model; mnist: IID MNIST, 2NN "
-                           "(needs fedax data fetch mnist)")
-    init.add_argument("--algorithm", help="a registered algorithm (default fedavg)")
-    init.add_argument("--aggregator", help='the aggregator as JSON, e.g. \'{"kind": '
-                      '"dp_gaussian", "clip": 0.5, "noise_multiplier": 1.0, '
-                      '"expected_clients": 4}\' (default: the weighted mean; see '
-                      'docs/deployment.md)')
-    init.add_argument("--config", help="an experiment config (a name of a shipped one or a "
-                      "path): write DIR/config.yaml for execution.mode network with this "
-                      "setup, the clients' count from its data (instead of task.json and "
-                      "data files)")
-    init.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="with --config: override a config key (repeatable)")
-    init.add_argument("--seed", type=int, default=0)
     init.add_argument("--overwrite", action="store_true")
     init.set_defaults(func=cmd_server_init)
 
@@ -454,15 +417,15 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     start.add_argument("--rounds", type=int)
     start.add_argument("--cohort-size", type=int,
                        help="K: accepted reports that close a round")
-    start.add_argument("--over-selection", type=float, default=0.0,
+    start.add_argument("--over-selection", type=float,
                        help="select ceil(K*(1+f)) clients (default 0)")
     start.add_argument("--min-reports", type=int,
                        help="fewer accepted reports at the deadline retry the round "
                             "(default K)")
     start.add_argument("--min-clients", type=int,
                        help="alive clients needed to open a round (default the selection)")
-    start.add_argument("--deadline-s", type=float, default=60.0)
-    start.add_argument("--max-attempts", type=int, default=10)
+    start.add_argument("--deadline-s", type=float, help="default 60")
+    start.add_argument("--max-attempts", type=int, help="default 10")
     start.add_argument("--poll-interval-s", type=float, default=0.5,
                        help="how often a client whose poll is not held polls again")
     start.add_argument("--poll-hold-s", type=float, default=20.0,
@@ -475,9 +438,9 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     start.add_argument("--chunk-kb", type=float, default=1024.0,
                        help="largest piece of a streamed message, 1 to 65536 (a client may "
                             "ask for smaller ones)")
-    start.add_argument("--max-examples", type=int, default=1_000_000,
+    start.add_argument("--max-examples", type=int,
                        help="the most examples (n_k) a client's report may claim; a larger "
-                            "claim is refused")
+                            "claim is refused (default 1000000)")
     start.add_argument("--keep-checkpoints", type=int, default=3,
                        help="checkpoints kept (the newest and the ones before it)")
     start.add_argument("--checkpoint-dir", help="checkpoint after every round, rounds.jsonl")

@@ -1,16 +1,16 @@
-"""The one builder: an experiment's spec (a validated ``Config``, or a runtime ``Task``'s
-names and numbers) becomes its algorithm, model and initial parameters here, and nowhere
+"""The one builder: an experiment's spec (a validated ``Config``; a runtime ``Task`` is a
+config's task part) becomes its algorithm, model and initial parameters here, and nowhere
 else. The simulator (``run_experiment``), FedBuff (``execution.mode: async``) and the
 networked runtime (``execution.mode: network``; a client rebuilds the task it is sent with
 its own installed fedax) all call it, so the three engines run the same algorithm.
 
-Names are looked up in the registries (``fedax.algorithms.ALGORITHMS``, the aggregator
-kinds below, ``fedax.models``); no code comes with a spec.
+Names are looked up in the registries (``fedax.algorithms.ALGORITHMS``, the server
+optimizers, ``fedax.models``) and the config's aggregator sections (``privacy``, ``robust``,
+``compression``); no code comes with a spec.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, NamedTuple
 
 import optax
@@ -44,11 +44,18 @@ def build(config: Config, *, num_clients: int, model_kwargs: dict[str, Any],
 
     model = with_precision(get_model(config.model, **model_kwargs), config.precision)
     params = jax.jit(model.init)(jax.random.key(config.seed))
-    plan = privacy_plan(config, num_clients, client_sizes)
+    p = config.privacy
+    if p is not None and p.level == "example" and client_sizes is None:
+        # a networked client trains with the mechanism; only the server accounts (it needs
+        # the n_k, and the clients' noise is their own)
+        plan, example_privacy = None, (float(p.clip), float(p.noise_multiplier))
+    else:
+        plan = privacy_plan(config, num_clients, client_sizes)
+        example_privacy = None if plan is None else plan.example_privacy
     algorithm = build_algorithm(
         config, model.apply, sequence=sequence, num_clients=num_clients,
         aggregator=robust_aggregator(config) if plan is None else plan.aggregator,
-        example_privacy=None if plan is None else plan.example_privacy,
+        example_privacy=example_privacy,
         holdout_privacy=None if plan is None else plan.holdout)
     return Built(algorithm, model, params, plan)
 
@@ -112,89 +119,3 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
     return learned_server_lr_in_state(
         algorithm, server.hyperparameters["lr"], loss_fn,
         optax.adam(config.learned_lr.hyper_lr), config.learned_lr.mode)
-
-
-def build_named(algorithm: str, loss_fn, *, num_clients: int, client_lr: float,
-                aggregator: dict[str, Any] | None = None,
-                example_privacy: tuple[float, float] | None = None,
-                options: dict[str, Any] | None = None) -> FederatedAlgorithm:
-    """A registered algorithm from names and numbers (a hand-written runtime ``Task``):
-    ``ALGORITHMS[algorithm](loss_fn, ...)`` with the aggregator ``make_aggregator(spec)``."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; allowed: "
-                         f"{', '.join(sorted(ALGORITHMS))}")
-    return ALGORITHMS[algorithm](loss_fn, num_clients=num_clients, client_lr=client_lr,
-                                 aggregator=make_aggregator(aggregator),
-                                 example_privacy=example_privacy, **(options or {}))
-
-
-def _aggregator_kinds() -> dict[str, Any]:
-    from fedax import aggregators
-
-    def dp_gaussian(clip, noise_multiplier, expected_clients=None, *, denominator=None,
-                    per_layer=False, weighting="uniform", example_cap=None):
-        if (expected_clients is None) == (denominator is None):
-            raise TypeError("give exactly one of expected_clients (uniform weights) and "
-                            "denominator (the fixed q·W)")
-        d = expected_clients if denominator is None else denominator
-        return aggregators.dp_gaussian(clip, noise_multiplier, d, per_layer=per_layer,
-                                       weighting=weighting, example_cap=example_cap)
-
-    def clip_norm(clip):
-        return aggregators.chain(aggregators.clip_norm(clip), aggregators.mean())
-
-    kinds = {
-        "mean": aggregators.mean,
-        "clip_norm": clip_norm,
-        "dp_gaussian": dp_gaussian,
-        "dp_adaptive_gaussian": aggregators.dp_adaptive_gaussian,
-        "adaclip": aggregators.adaclip,
-    }
-    robust = getattr(aggregators, "robust", None)  # the robust rules, where installed
-    if robust is not None:
-        kinds["robust"] = robust
-    return kinds
-
-
-def make_aggregator(spec: dict[str, Any] | None) -> Any:
-    """The ``fedax.aggregators`` aggregator a task's ``aggregator`` names (None: None, the
-    algorithm's default). ``spec`` is ``{"kind": KIND, **arguments}``:
-
-    * ``mean``: the weighted mean (FedAvg's);
-    * ``clip_norm`` (``clip``): clip each update (the server does, per report), then the
-      weighted mean;
-    * ``dp_gaussian`` (``clip``, ``noise_multiplier``, ``expected_clients`` or
-      ``denominator``; ``per_layer``, ``weighting``, ``example_cap``): DP-FedAvg with a
-      fixed clip (``aggregators.dp_gaussian``);
-    * ``dp_adaptive_gaussian`` (``noise_multiplier``, ``expected_clients``;
-      ``initial_clip``, ``target_quantile``, ``learning_rate``, ``clipped_count_stddev``,
-      ``geometric``): DP-FedAvg with the quantile-tracking clip;
-    * ``adaclip`` (``noise_multiplier``, ``expected_clients``, ...): AdaCliP;
-    * ``robust`` (``rule``, ``clip``, the rule's own arguments): ``aggregators.robust``
-      (median, trimmed_mean, krum, multi_krum, geometric_median, norm_bounding).
-
-    Names and numbers only, looked up here: no code comes with a task.
-    """
-    if spec is None:
-        return None
-    if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str):
-        raise ValueError(f'aggregator must be {{"kind": NAME, ...arguments}}, got {spec!r}')
-    kinds = _aggregator_kinds()
-    kind = spec["kind"]
-    if kind not in kinds:
-        raise ValueError(f"unknown aggregator kind {kind!r}; allowed: "
-                         f"{', '.join(sorted(kinds))}")
-    arguments = {k: v for k, v in spec.items() if k != "kind"}
-    factory = kinds[kind]
-    signature = inspect.signature(factory)
-    try:
-        signature.bind(**arguments)
-    except TypeError as err:
-        names = [p.name for p in signature.parameters.values()
-                 if p.kind is not inspect.Parameter.VAR_KEYWORD]
-        raise ValueError(f"aggregator {kind!r}: {err}; its arguments: "
-                         f"{', '.join(names)}") from None
-    try:
-        return factory(**arguments)
-    except TypeError as err:
-        raise ValueError(f"aggregator {kind!r}: {err}") from None

@@ -440,9 +440,18 @@ def load_config(path: str | PathLike[str], overrides: Iterable[str] = ()) -> Con
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must be a mapping of keys to values")
+    return validate_config(with_overrides(data, overrides))
+
+
+def with_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """A copy of the parsed config ``data`` with ``--set key=value`` overrides applied
+    (as :func:`load_config` does); not validated."""
+    import copy
+
+    data = copy.deepcopy(dict(data))
     for override in overrides:
         _apply_override(data, override)
-    return validate_config(data)
+    return data
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:

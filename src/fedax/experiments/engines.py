@@ -144,7 +144,7 @@ class NetworkConfig(_Section):
 def network_combination(config: Any) -> tuple[str, str] | None:
     """Why ``config`` cannot run with ``execution.mode: network``, as ``(key, message)``,
     or None: what only a simulation has (attacks, simulated stragglers, devices), what the
-    runtime does not carry yet (the learned η, example-level DP, per-client evaluation),
+    runtime does not carry yet (the learned η, per-client evaluation),
     and what its accountant would not cover (Poisson sampling, over-selection under DP)."""
     if config.execution.mode != "network":
         return None
@@ -157,8 +157,6 @@ def network_combination(config: Any) -> tuple[str, str] | None:
                           "deadlines and drop-outs are real (network.deadline_s)"),
            "per_client_eval": (config.per_client_eval, "the server holds no client's test "
                                "data"),
-           "privacy.level": (private and config.privacy.level == "example", "the server "
-                             "cannot account example-level ε without the clients' n_k"),
            "privacy.sampling": (private and config.privacy.sampling == "poisson", "the "
                                 "server selects fixed-size cohorts"),
            "network.over_selection": (private and config.network.over_selection > 0,

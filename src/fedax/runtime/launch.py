@@ -127,9 +127,12 @@ def _records(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
                 resume: bool = False, label: str | None = None,
-                title: str | None = None) -> dict[str, Any]:
+                title: str | None = None,
+                server_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run ``config`` (``execution.mode: network``) on a server and client processes on
-    this machine; write the simulator's outputs into ``out_dir`` and return the summary."""
+    this machine; write the simulator's outputs into ``out_dir`` and return the summary.
+    ``server_options``: more ``ServerConfig`` fields (polling, liveness, message sizes,
+    kept checkpoints) than the ``network:`` section sets."""
     from fedax.experiments.run import summarize
     from fedax.models import get_model, with_precision
     from fedax.simulation import make_evaluator
@@ -165,7 +168,8 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
                      checkpoint_dir=str(out / "checkpoints"), max_examples=net.max_examples,
                      # local clients host the whole population: wait for all of them, so
                      # that the first round selects from N as later ones (and the simulator)
-                     min_clients=train.num_clients if net.local_clients else None),
+                     **{"min_clients": train.num_clients if net.local_clients else None,
+                        **(server_options or {})}),
         ServerTLS(str(setup / "server.pem"), str(setup / "server.key")),
         Registry.load(str(setup / "registry.json")), address=f"{net.host}:{net.port}",
         resume=resume, evaluate=evaluate,
