@@ -514,7 +514,7 @@ def test_compressed_run_with_error_feedback_resumes_bit_identically(small_mnist,
 
 
 def test_config_compression_section_validates_and_wires():
-    from fedax.experiments.build import build_algorithm
+    from fedax.experiments.build import build_algorithm, privacy_aggregator
     from fedax.experiments.config import ConfigError, config_to_dict, validate_config
     from fedax.experiments.privacy_plan import privacy_plan
     from fedax.models import get_model
@@ -549,10 +549,9 @@ def test_config_compression_section_validates_and_wires():
     config = validate_config({**base, "compression": {"scheme": "qsgd", "levels": 1},
                               "privacy": {"mechanism": "gaussian", "clip": 1.0,
                                           "noise_multiplier": 1.0}})
-    plan = privacy_plan(config, 100)
+    dp = privacy_aggregator(config, privacy_plan(config, 100))
     updates = jax.tree.map(lambda p: jnp.ones((2, *p.shape)), params)
-    cost = fed.comm_cost(lambda u: aggregate(plan.aggregator, u, jnp.ones(2),
-                                             plan.aggregator.init(params),
+    cost = fed.comm_cost(lambda u: aggregate(dp, u, jnp.ones(2), dp.init(params),
                                              jax.random.key(0)), updates)
     assert cost.clients_to_server_bytes == 2 * (message_bytes(qsgd(1), params) + 4) + 2 * 4
 

@@ -110,10 +110,12 @@ def test_the_task_is_the_configs_task_part():
     assert set(task.config) == set(config_to_dict(config)) - {"execution", "network"}
     assert Task.from_json(task.to_json()) == task  # names and numbers travel as JSON
     assert task.spec().privacy == config.privacy
-    with pytest.raises(ValueError, match="remove \\['aggregator'\\]"):
-        Task(**{**json.loads(task.to_json()), "aggregator": {"kind": "mean"}})
-    with pytest.raises(ValueError, match="'client_lr' is 1.0 but its config says 0.2"):
-        Task(**{**json.loads(task.to_json()), "client_lr": 1.0})
+    assert (task.algorithm, task.client_lr, task.local_epochs, task.batch) == \
+        ("fedavg", 0.2, 1, 10)
+    with pytest.raises(ValueError, match="holds no engine section; remove \\['network'\\]"):
+        Task({**task.config, "network": {}}, 100, [28, 28, 1])
+    with pytest.raises(ValueError, match="config key 'client_lr'"):
+        Task({**task.config, "client_lr": -1.0}, 100, [28, 28, 1])
 
 
 @pytest.mark.parametrize("change, key", [

@@ -131,12 +131,13 @@ def test_latency_distributions_against_numpy():
 
 def reference_schedule(seed, source_seed, cohort, m, k, arrivals, latency):
     """The closed-loop clock, written again: M trips at once; trip j is client j % C of
-    block j // C (the block's first draws: ``sample_clients``), with duration
+    block j // C (the block's first draws: ``sample_clients``, in id order), with duration
     min + |N(0, sd²)| from ``default_rng([seed, 0x6C6174, block])``; arrivals at one instant
     go in trip order, every K of them make a server update, and their replacements start at
     that instant on the newest version."""
     def block(b):
-        ids = fdata.sample_clients(np.random.default_rng([source_seed, b]), N, cohort / N)
+        ids = np.sort(fdata.sample_clients(np.random.default_rng([source_seed, b]), N,
+                                           cohort / N))
         g = np.random.default_rng([seed, 0x6C6174, b])
         return ids, latency.min + np.abs(g.standard_normal(cohort)) * latency.sd
 

@@ -14,6 +14,7 @@ from conftest import TINY_CONFIG
 
 from fedax import aggregators
 from fedax import data as fdata
+from fedax.experiments.build import privacy_aggregator
 from fedax.experiments.config import ConfigError, validate_config
 from fedax.experiments.privacy_plan import privacy_plan
 from fedax.experiments.run import run_experiment
@@ -73,11 +74,12 @@ def test_pin_scale_builds_adaclip_with_its_budget_at_the_clip():
     config = validate_config(_config(mechanism="adaclip", clip=0.3, noise_multiplier=1.0,
                                      pin_scale=True))
     plan = privacy_plan(config, 30)
+    aggregator = privacy_aggregator(config, plan)
     rng = np.random.default_rng(0)
     values = jnp.asarray(rng.normal(size=(4, 50)), jnp.float32)
     weights, key = jnp.ones(4), jax.random.key(1)
-    got, _, _ = aggregators.aggregate(plan.aggregator, values, weights,
-                                      plan.aggregator.init(values[0]), key)
+    got, _, _ = aggregators.aggregate(aggregator, values, weights, aggregator.init(values[0]),
+                                      key)
     flat = aggregators.dp_gaussian(0.3, 1.0, plan.expected_clients)
     want, _, _ = aggregators.aggregate(flat, values, weights, (), key)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)

@@ -77,11 +77,13 @@ def _expected(train, *, rounds=4, fraction=0.5, epochs=4, batch=2, seed=3, strag
     out = []
     for t in range(rounds):
         rng = np.random.default_rng([seed, t])
-        ids = sample_clients(rng, train.num_clients, fraction)
+        ids = np.sort(sample_clients(rng, train.num_clients, fraction))  # in id order
         e = epochs
         if stragglers:
             e = straggler_epochs(rng, len(ids), epochs, stragglers)
-        cohort = make_cohort(train, ids, e, batch, rng, num_steps=steps)
+        # each client's shuffles from its own default_rng([seed, t, k])
+        cohort = make_cohort(train, ids, e, batch, rng, num_steps=steps,
+                             client_streams=(seed, t))
         out.append((ids, np.broadcast_to(e, ids.shape), cohort))
     return out
 
@@ -180,7 +182,7 @@ def test_fedavg_round_with_stragglers_matches_numpy(drop):
         execution=ONE_DEVICE, straggler_fraction=0.5, drop_stragglers=drop,
     )
     rng = np.random.default_rng([5, 0])
-    ids = sample_clients(rng, train.num_clients, 4 / 6)
+    ids = np.sort(sample_clients(rng, train.num_clients, 4 / 6))
     epochs = straggler_epochs(rng, len(ids), EPOCHS, 0.5)
     assert np.any(epochs < EPOCHS)  # the seed gives this round a real straggler
     total_w, total_b, total = 0.0, 0.0, 0.0

@@ -19,7 +19,6 @@ from fedax.algorithms import ALGORITHMS, FederatedAlgorithm
 from fedax.algorithms import make as make_algorithm
 from fedax.client import Batches
 from fedax.experiments.config import Config, ConfigError, resolved_server_optimizer
-from fedax.experiments.features import robust_aggregator
 from fedax.experiments.privacy_plan import PrivacyPlan, compressor, privacy_plan
 from fedax.models import get_model, softmax_cross_entropy, with_precision
 
@@ -54,10 +53,45 @@ def build(config: Config, *, num_clients: int, model_kwargs: dict[str, Any],
         example_privacy = None if plan is None else plan.example_privacy
     algorithm = build_algorithm(
         config, model.apply, sequence=sequence, num_clients=num_clients,
-        aggregator=robust_aggregator(config) if plan is None else plan.aggregator,
+        aggregator=robust_aggregator(config) if plan is None
+        else privacy_aggregator(config, plan),
         example_privacy=example_privacy,
         holdout_privacy=None if plan is None else plan.holdout)
     return Built(algorithm, model, params, plan)
+
+
+def robust_aggregator(config: Config) -> Any:
+    """The aggregator of ``config.robust`` (None without one: the weighted mean)."""
+    if config.robust is None:
+        return None
+    from fedax import aggregators
+
+    return aggregators.robust(config.robust.rule, clip=config.robust.clip,
+                              **config.robust.options())
+
+
+def privacy_aggregator(config: Config, plan: PrivacyPlan) -> Any:
+    """The DP aggregator of ``config.privacy`` with its plan's z and fixed denominator m
+    (None for example-level DP-SGD, which privatizes the local training instead):
+    ``gaussian`` (DP-FedAvg; with ``compression``, each decoded message clipped again before
+    the sum and the noise), ``adaptive`` (Andrew et al.'s quantile-tracking clip, σ_b the
+    plan's) or ``adaclip``."""
+    from fedax import aggregators
+
+    p, z, m = config.privacy, plan.noise_multiplier, plan.expected_clients
+    if p.level == "example":
+        return None
+    if p.mechanism == "gaussian" and config.compression is not None:
+        return aggregators.dp_compressed(compressor(config), p.clip, z, m,
+                                         per_layer=p.per_layer)
+    if p.mechanism == "gaussian":
+        return aggregators.dp_gaussian(p.clip, z, m, per_layer=p.per_layer)
+    if p.mechanism == "adaptive":
+        return aggregators.dp_adaptive_gaussian(
+            z, m, initial_clip=p.clip or 0.1, target_quantile=p.target_quantile,
+            learning_rate=p.clip_learning_rate, clipped_count_stddev=plan.count_stddev)
+    return aggregators.adaclip(z, m, initial_clip=p.clip or 0.1,
+                               clip_budget=p.clip if p.pin_scale else None)
 
 
 def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,

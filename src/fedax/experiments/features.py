@@ -67,16 +67,6 @@ def attack_plan(config: Config, data: FederatedData) -> AttackPlan | None:
     return AttackPlan(data._replace(train=train), adversary, bad, backdoor)
 
 
-def robust_aggregator(config: Config) -> Any:
-    """The aggregator of ``config.robust`` (None without one: the weighted mean)."""
-    if config.robust is None:
-        return None
-    from fedax import aggregators
-
-    return aggregators.robust(config.robust.rule, clip=config.robust.clip,
-                              **config.robust.options())
-
-
 class RoundTally:
     """Sums of round metrics over the rounds a run goes through: ``on_round`` is a round
     callback; as an evaluation callback it records nothing, but its ``on_resume`` marks a

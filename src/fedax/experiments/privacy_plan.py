@@ -48,10 +48,10 @@ NEIGHBOURS = {
 
 
 class PrivacyPlan(NamedTuple):
-    """A DP run's aggregator and accounting.
+    """A DP run's mechanism and accounting (its aggregator is built from it by
+    ``fedax.experiments.build.privacy_aggregator``).
 
     Attributes:
-      aggregator: the DP aggregator (None for example-level DP-SGD).
       noise_multiplier: z, given or calibrated to the budget.
       sampling_probability: q; expected_clients: m, the fixed denominator.
       ledger: ε after any number of rounds, every release of a round counted.
@@ -62,7 +62,6 @@ class PrivacyPlan(NamedTuple):
       count_stddev: adaptive clipping's σ_b (its default filled in), or None.
     """
 
-    aggregator: Any
     noise_multiplier: float
     sampling_probability: float
     expected_clients: float
@@ -209,7 +208,6 @@ def privacy_plan(config: Config, num_clients: int,
     p = config.privacy
     if p is None:
         return None
-    from fedax import aggregators
     from fedax.privacy import ExampleLevelLedger, PrivacyLedger, noise_multiplier_for
 
     if p.level == "example":
@@ -229,7 +227,7 @@ def privacy_plan(config: Config, num_clients: int,
         releases = (f"each local step's noised sum of per-example gradients clipped to "
                     f"{p.clip:g} (DP-SGD, z = {p.noise_multiplier:g}), every client's every "
                     "round",)
-        return PrivacyPlan(None, float(p.noise_multiplier), m / num_clients, m, ledger,
+        return PrivacyPlan(float(p.noise_multiplier), m / num_clients, m, ledger,
                            rounds, (float(p.clip), float(p.noise_multiplier)),
                            releases=releases)
 
@@ -269,26 +267,17 @@ def privacy_plan(config: Config, num_clients: int,
     sigma_b = None
     update = f"the sum of the clients' updates, each clipped to {p.clip:g}" if p.clip else ""
     if p.mechanism == "gaussian" and config.compression is not None:
-        # Decode, clip each decoded message to S again, sum, noise (keeps the sensitivity).
-        aggregator = aggregators.dp_compressed(compressor(config), p.clip, z, m,
-                                               per_layer=p.per_layer)
         releases = [f"{update} after decoding ({config.compression.scheme}), noised "
                     f"(Gaussian, z = {z:.4g})"]
     elif p.mechanism == "gaussian":
-        aggregator = aggregators.dp_gaussian(p.clip, z, m, per_layer=p.per_layer)
         releases = [f"{update}{' per layer' if p.per_layer else ''}, noised (Gaussian, "
                     f"z = {z:.4g})"]
     elif p.mechanism == "adaptive":
         sigma_b = count_stddev(config, m, z)
-        aggregator = aggregators.dp_adaptive_gaussian(
-            z, m, initial_clip=p.clip or 0.1, target_quantile=p.target_quantile,
-            learning_rate=p.clip_learning_rate, clipped_count_stddev=sigma_b)
         releases = [f"the sum of the clients' updates clipped to the adaptive clip and the "
                     f"count of unclipped clients (noise {sigma_b:.4g}), noised together "
                     f"as one Gaussian of z = {z:.4g} (Andrew et al.)"]
     else:
-        aggregator = aggregators.adaclip(z, m, initial_clip=p.clip or 0.1,
-                                         clip_budget=p.clip if p.pin_scale else None)
         releases = [f"the sum of the clients' whitened updates clipped to norm 1, noised "
                     f"(Gaussian, z = {z:.4g}; AdaCliP)"]
     holdout_privacy = None
@@ -304,5 +293,5 @@ def privacy_plan(config: Config, num_clients: int,
                         f"{clip:g}, noised (Gaussian, z = {z:.4g}); the holdout cohort is "
                         "sampled like the train cohort and counted on its sample (an upper "
                         "bound)")
-    return PrivacyPlan(aggregator, float(z), q, m, ledger, rounds, holdout=holdout_privacy,
+    return PrivacyPlan(float(z), q, m, ledger, rounds, holdout=holdout_privacy,
                        releases=tuple(releases), count_stddev=sigma_b)
