@@ -73,6 +73,14 @@ class AsynchronousConfig(_Section):
     weighting: Literal["algorithm", "equal"] = "algorithm"
 
 
+def _first_refusal(why: dict[str, tuple[bool, str]], mode: str) -> tuple[str, str] | None:
+    """The first ``key: (refused, reason)`` that is refused, as ``(key, message)``."""
+    for key, (refused, reason) in why.items():
+        if refused:
+            return key, f"{reason}: not with execution.mode {mode} (use mode sync)"
+    return None
+
+
 def lockstep(config: Any) -> bool:
     """FedBuff in lockstep: K = M = the cohort m, every trip as long, no staleness weight;
     each flush is then a synchronous round of m clients (bit for bit,
@@ -108,10 +116,7 @@ def async_combination(config: Any) -> tuple[str, str] | None:
                                  "clock runs on one device"),
            "execution.strategy": (config.execution.strategy == "processes", "the virtual "
                                   "clock runs in one process")}
-    for key, (refused, reason) in why.items():
-        if refused:
-            return key, f"{reason}: not with execution.mode async (use mode sync)"
-    return None
+    return _first_refusal(why, "async")
 
 
 class NetworkConfig(_Section):
@@ -165,7 +170,4 @@ def network_combination(config: Any) -> tuple[str, str] | None:
                                       "assumes"),
            "execution.strategy": (config.execution.strategy == "processes", "each client "
                                   "trains in its own process already")}
-    for key, (refused, reason) in why.items():
-        if refused:
-            return key, f"{reason}: not with execution.mode network (use mode sync)"
-    return None
+    return _first_refusal(why, "network")
