@@ -187,3 +187,29 @@ def test_server_init_start_and_clients_from_one_config(tmp_path, capsys):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["rounds_run"] == 2
     assert len(records(tmp_path / "run")) == 2
+
+
+SHAKESPEARE = {"seed": 0, "rounds": 2, "dataset": "shakespeare", "partition": "natural",
+               "shakespeare": {"max_clients": 6, "seq_len": 20}, "num_clients": 6,
+               "model": "char_lstm", "algorithm": "fedavg", "client_fraction": 0.5,
+               "local_epochs": 1, "batch_size": 10, "client_lr": 1.0, "eval_every": 1,
+               "execution": {"devices": 1}, "checkpoint_every": 2}
+
+
+@pytest.mark.serial
+def test_the_char_lstm_over_the_network_equals_the_simulator(tmp_path):
+    """Token ids in, a token per position out, the model's own sequence loss: the char-LSTM
+    on six Shakespeare roles, one client process hosting them, equals the sync run."""
+    from fedax.experiments.config import validate_config
+
+    config = validate_config(SHAKESPEARE)
+    run_experiment(config, tmp_path / "sync", progress=False, tensorboard=False)
+    network = validate_config({**SHAKESPEARE, "execution": {"mode": "network"},
+                               "network": {"local_clients": 1, "server_randomness": "seed",
+                                           "deadline_s": 120}})
+    run_network(network, tmp_path / "network", progress=False)
+    sync, net = records(tmp_path / "sync"), records(tmp_path / "network")
+    assert_close_records(sync, net, ("train_loss", "test_accuracy", "test_loss"), 1e-5)
+    assert_same_model(final_params(tmp_path / "sync"), final_params(tmp_path / "network"))
+    task = json.loads((tmp_path / "network" / "network" / "config.json").read_text())
+    assert task["model"] == "char_lstm"

@@ -172,8 +172,9 @@ def server_status(address: str, tls: ClientTLS, timeout_s: float = 5.0) -> dict[
 def local_batches(x: np.ndarray, y: np.ndarray, local_epochs: int, batch_size: float,
                   seed: int, t: int, client_id: int, num_steps: int | None = None):
     """Client ``client_id``'s batches for round t from its own examples: ``(x [S, B, ...],
-    y [S, B], mask [S, B], n_k)`` as NumPy, shuffled with ``default_rng([seed, t,
-    client_id])`` (``fedax.data.make_cohort`` on a one-client ``ClientData``)."""
+    y [S, B, ...], mask [S, B], n_k)`` as NumPy (x float32, or int32 token ids; y int32),
+    shuffled with ``default_rng([seed, t, client_id])`` (``fedax.data.make_cohort`` on a
+    one-client ``ClientData``), the simulator's per-client stream."""
     from fedax.data import ClientData, make_cohort
 
     n = len(y)
@@ -181,7 +182,9 @@ def local_batches(x: np.ndarray, y: np.ndarray, local_epochs: int, batch_size: f
     cohort = make_cohort(data, np.array([0]), local_epochs, batch_size,
                          np.random.default_rng([seed, t, client_id]), num_steps=num_steps)
     idx, mask = cohort.idx[0], cohort.mask[0]
-    return (np.asarray(x)[idx].astype(np.float32), np.asarray(y)[idx].astype(np.int32), mask,
+    x = np.asarray(x)
+    dtype = np.int32 if np.issubdtype(x.dtype, np.integer) else np.float32
+    return (x[idx].astype(dtype), np.asarray(y)[idx].astype(np.int32), mask,
             np.float32(cohort.num_examples[0]))
 
 

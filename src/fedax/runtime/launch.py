@@ -51,13 +51,13 @@ def network_task(config: Config, data: FederatedData) -> Task:
     """The runtime ``Task`` of ``config`` on its data: the config's task part with N, one
     example's shape and the model's arguments."""
     train = data.train
-    if not np.issubdtype(np.asarray(train.x[:1]).dtype, np.floating):
-        raise ValueError(f"dataset {config.dataset!r} has integer inputs (token ids), which "
-                         "the networked runtime does not carry yet; use execution.mode sync")
+    tokens = np.issubdtype(np.asarray(train.x[:1]).dtype, np.integer)
     return Task.from_config(config, num_clients=train.num_clients,
                             input_shape=list(train.x.shape[1:]),
                             model_options=dict(data.model_kwargs),
-                            sequence=data.y_test.ndim > 1)
+                            sequence=data.y_test.ndim > 1,
+                            input_dtype="int32" if tokens else "float32",
+                            label_shape=list(train.y.shape[1:]))
 
 
 def client_examples(config: Config, ids: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:

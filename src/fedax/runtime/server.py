@@ -122,7 +122,8 @@ class Server:
         self.pieces = built.pieces
         self.state = server_state(self.pieces, built.params)
         self._state_template = jax.eval_shape(lambda: self.state)
-        report = report_template(self.pieces, built.params, task.input_shape)
+        report = report_template(self.pieces, built.params, task.input_shape,
+                                 task.input_dtype, task.label_shape)
         self.report_template = report  # what every report must look like
         self._report_layout = wire.expected_layout(report)
         self._report_treedef = jax.tree.structure(report)

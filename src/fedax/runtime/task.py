@@ -67,8 +67,10 @@ class Task:
         validated when the task is made, by the server and by every client.
       num_clients: N, the population (SCAFFOLD's c-update divides by it; client ids are
         0..N-1).
-      input_shape: one example's feature shape (float32; labels are int32 scalars): the
-        server checks reports against shapes it derives from it.
+      input_shape: one example's feature shape, of ``input_dtype`` (``float32`` features,
+        or ``int32`` token ids for the char-LSTM); ``label_shape`` one example's int32
+        labels' shape (``[]``: a class; ``[T]``: a token per position). The server checks
+        reports against shapes it derives from them.
       model_options: the model's keyword arguments the data set decides
         (``FederatedData.model_kwargs``, e.g. the logistic model's ``input_dim``).
       sequence: the model predicts a token per position (the char-LSTM's loss).
@@ -79,6 +81,8 @@ class Task:
     input_shape: list[int] = dataclasses.field(default_factory=lambda: [784])
     model_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     sequence: bool = False
+    input_dtype: str = "float32"
+    label_shape: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if not isinstance(self.config, dict):
@@ -89,16 +93,24 @@ class Task:
         if not isinstance(self.num_clients, int) or self.num_clients < 1:
             raise ValueError(f"num_clients must be a positive int, got {self.num_clients!r}")
         object.__setattr__(self, "input_shape", [int(d) for d in self.input_shape])
+        object.__setattr__(self, "label_shape", [int(d) for d in self.label_shape])
+        if self.input_dtype not in ("float32", "int32"):
+            raise ValueError(f"input_dtype must be 'float32' or 'int32', got "
+                             f"{self.input_dtype!r}")
         config = self.spec()  # a bad config fails here, naming its key
         _refuse_unprotected_sums(config)
 
     @classmethod
     def from_config(cls, config: Config, *, num_clients: int, input_shape: list[int],
-                    model_options: dict[str, Any], sequence: bool = False) -> Task:
+                    model_options: dict[str, Any], sequence: bool = False,
+                    input_dtype: str = "float32",
+                    label_shape: list[int] | None = None) -> Task:
         """The task part of an experiment ``Config``, with what its data says: the
-        population N, one example's shape and the model's keyword arguments."""
+        population N, one example's shape and dtype, its labels' shape and the model's
+        keyword arguments."""
         data = {k: v for k, v in config_to_dict(config).items() if k not in ENGINE_KEYS}
-        return cls(data, num_clients, list(input_shape), dict(model_options), sequence)
+        return cls(data, num_clients, list(input_shape), dict(model_options), sequence,
+                   input_dtype, list(label_shape or []))
 
     def spec(self) -> Config:
         """The validated ``Config`` (with the default engine sections)."""
@@ -106,8 +118,10 @@ class Task:
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
-        if not data["sequence"]:
-            del data["sequence"]
+        for name, default in (("sequence", False), ("input_dtype", "float32"),
+                              ("label_shape", [])):
+            if data[name] == default:  # absent when default: the task keeps its hash
+                del data[name]
         return json.dumps(data, sort_keys=True)
 
     @classmethod
@@ -261,12 +275,13 @@ def key_data_template() -> jax.ShapeDtypeStruct:
     return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
 
 
-def report_template(pieces: RoundPieces, params: Any, input_shape: list[int]) -> Any:
+def report_template(pieces: RoundPieces, params: Any, input_shape: list[int],
+                    input_dtype: str = "float32", label_shape: list[int] = ()) -> Any:
     """Shapes and dtypes of one client's ``Report`` (the server checks every report
     against it); independent of the client's batch shapes."""
     sent = payload_template(pieces, params)
-    batches = Batches(jax.ShapeDtypeStruct((1, 1, *input_shape), jnp.float32),
-                      jax.ShapeDtypeStruct((1, 1), jnp.int32),
+    batches = Batches(jax.ShapeDtypeStruct((1, 1, *input_shape), jnp.dtype(input_dtype)),
+                      jax.ShapeDtypeStruct((1, 1, *label_shape), jnp.int32),
                       jax.ShapeDtypeStruct((1, 1), jnp.float32))
     client_state = None
     if pieces.client_state is not None:
