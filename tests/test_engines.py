@@ -89,6 +89,14 @@ def test_one_dp_config_in_all_three_engines(tmp_path):
     summary = json.loads((tmp_path / "network" / "summary.json").read_text())
     assert summary["execution"]["mode"] == "network"
     assert summary["privacy"]["epsilon"] == pytest.approx(sync[-1]["epsilon"])
+    # the server's sampling event: m = 10 of the N = 100 registered clients without
+    # replacement each round, which `fedax privacy epsilon --population 100` accounts
+    from fedax.privacy import epsilon
+
+    assert summary["privacy"]["epsilon"] == pytest.approx(
+        epsilon(1.0, 0.1, 2, 1e-5, sampling="fixed", population=100), rel=1e-12)
+    assert (summary["privacy"]["sampling"], summary["privacy"]["expected_clients"]) == \
+        ("fixed", 10)
 
 
 @pytest.mark.serial
