@@ -164,6 +164,9 @@ def network_combination(config: Any) -> tuple[str, str] | None:
                                "data"),
            "privacy.sampling": (private and config.privacy.sampling == "poisson", "the "
                                 "server selects fixed-size cohorts"),
+           "compression": (private and config.compression is not None, "a compressed "
+                           "uplink is encoded on the client, and the server cannot yet "
+                           "re-check DP's per-client weight bound on encoded reports"),
            "network.over_selection": (private and config.network.over_selection > 0,
                                       "with over-selection the first reports to arrive are "
                                       "kept, which is not the uniform sampling the accountant "

@@ -237,12 +237,19 @@ def _build(task_json: str):
     import jax
 
     from fedax.runtime import store
-    from fedax.runtime.task import Task, build, client_step, key_data_template, payload_template
+    from fedax.runtime.task import (
+        Task,
+        build,
+        client_step,
+        encodes,
+        key_data_template,
+        payload_template,
+    )
 
     task = Task.from_json(task_json)
     built = build(task)
     pieces = built.pieces
-    template = payload_template(pieces, built.params)
+    template = payload_template(pieces, built.params, encodes(task))
     step = jax.jit(functools.partial(client_step, pieces))
     state_template = None
     if pieces.client_state is not None:
@@ -464,7 +471,8 @@ class Client:
         x, y, mask, n = local_batches(self.x, self.y, task.local_epochs, task.batch,
                                       task.seed, t, self.config.client_id)
         train_key = self._train_key(t) if b["pieces"].keyed else None
-        return (sent["payload"], self._load_state(b), Batches(x, y, mask), n, train_key)
+        return (sent["payload"], self._load_state(b), Batches(x, y, mask), n, train_key,
+                sent.get("stage"))
 
     def _warm_up(self, b) -> None:
         """Compile the client step for this client's batch shapes before polling, so the

@@ -20,26 +20,20 @@ deployment runtime):
    A refused report is counted with its reason code, the client is excluded from the
    round, and its values are never stacked or averaged.
 3. **Closing.** The round closes when ``cohort_size`` reports are accepted, or at the
-   deadline. With at least ``min_reports`` accepted, ``server_step`` (the algorithm's
-   aggregator and server update, ``fedax.runtime.task``) makes the new state over the
-   accepted reports in client-id order (the aggregator's client stage, e.g. the clip,
-   runs here on each report); a new state that is not finite is discarded and the round
-   retried; otherwise a checkpoint is written and the round is logged
-   (selected, reported, rejected, dropped: no report by the deadline, unneeded: the
-   over-selected clients still busy when the round filled, bytes in and out on the wire,
-   round time, the algorithm's metrics); with fewer, the
-   round is retried as attempt a + 1 (selecting again among the clients alive then).
+   deadline. With at least ``min_reports`` accepted, ``server_step`` (``fedax.runtime.
+   task``) makes the new state over the accepted reports in client-id order (the
+   aggregator's client stage, e.g. the clip, runs here on each report; a compressed
+   uplink's encoding runs on the clients); a new state that is not finite is discarded
+   and the round retried; otherwise a checkpoint is written and the round is logged
+   (selected, reported, rejected, dropped, unneeded, bytes in and out, round time, the
+   algorithm's metrics); with fewer, the round is retried as attempt a + 1.
 
-A client's new per-client state is its own business: the server tells each client, on its
-next poll, the last ``(round, attempt)`` whose aggregate included its report
-(``included_round``/``included_attempt``), and the client keeps the state of exactly that
-report (``fedax.runtime.client``); it is told only once the checkpoint that includes the
-report is on disk. With ``checkpoint_dir`` and ``resume=True`` the server continues from its
-last checkpoint (the last ``keep_checkpoints`` are kept; a damaged one falls back to the one
-before); clients keep polling through the outage.
-
-Idle clients long-poll: a ``Poll`` with nothing for the client waits up to ``poll_hold_s``
-for its task (while half the worker threads are not all holding polls).
+A client's per-client state is its own: on its next poll the server tells it the last
+``(round, attempt)`` whose aggregate included its report, once the checkpoint holding it is
+on disk, and the client keeps the state of exactly that report (``fedax.runtime.client``).
+With ``checkpoint_dir`` and ``resume=True`` the server continues from its last checkpoint
+(the last ``keep_checkpoints`` kept; a damaged one falls back to the one before); clients
+keep polling through the outage. Idle clients long-poll (``poll_hold_s``).
 """
 
 from __future__ import annotations
@@ -74,12 +68,15 @@ from fedax.runtime.security import Registry, ServerTLS
 from fedax.runtime.task import (
     Report,
     Task,
+    broadcast,
     build,
+    encodes,
     key_from_secret,
     report_template,
     round_key,
     server_state,
     server_step,
+    stage_key,
 )
 
 log = logging.getLogger("fedax.runtime.server")
@@ -122,14 +119,16 @@ class Server:
         self.pieces = built.pieces
         self.state = server_state(self.pieces, built.params)
         self._state_template = jax.eval_shape(lambda: self.state)
+        self._encodes = encodes(task)  # clients send compressed codes
         report = report_template(self.pieces, built.params, task.input_shape,
-                                 task.input_dtype, task.label_shape)
+                                 task.input_dtype, task.label_shape, self._encodes)
         self.report_template = report  # what every report must look like
         self._report_layout = wire.expected_layout(report)
         self._report_treedef = jax.tree.structure(report)
         self._checks = ReportChecks(task.algorithm, task.client_lr, task.local_epochs,
                                     task.batch, config.max_examples)
-        self._step = jax.jit(lambda s, r, k, m, key: server_step(self.pieces, s, r, k, m, key))
+        self._step = jax.jit(lambda s, r, k, m, key: server_step(self.pieces, s, r, k, m, key,
+                                                                 self._encodes))
         self._set_key(key)
         self._lock = threading.Condition()
         self._news = threading.Condition()  # a round opened or closed, or the run ended
@@ -175,12 +174,9 @@ class Server:
                                           "Submit": (self._rpc_submit, True),
                                           "Status": (self._rpc_status, False)},
                           per_client=cfg.per_client_calls, refusals=self._refusals)
-        options = wire.grpc_options(cfg.chunk_bytes) + [
-            ("grpc.max_connection_idle_ms", 300_000),
-            ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
-            ("grpc.max_concurrent_streams", 64)]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers),
-                             handlers=(self._gate,), options=options,
+                             handlers=(self._gate,),
+                             options=wire.server_grpc_options(cfg.chunk_bytes),
                              maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
         port = server.add_secure_port(self.address, self.tls.credentials())
         if port == 0:
@@ -283,8 +279,9 @@ class Server:
         words = ([self._simulator_seed] if self._simulator_seed is not None
                  else selection_words(self._secret))
         selected = select(words, t, attempt, alive, count)
-        payload = self.pieces.payload(self.state.server)
-        tensors = wire.encode_tree(store.raw({"payload": payload}))
+        sent = broadcast(self.pieces, self.state, self._encodes)
+        payload = sent["payload"]
+        tensors = wire.encode_tree(store.raw(sent))
         shared = wire.Envelope(tensors=tensors).SerializeToString()
         version = hashlib.sha256(shared).hexdigest()[:16]
         keys = np.asarray(round_keys(round_key(self._key, t), count)[0])
@@ -447,6 +444,8 @@ class Server:
                                deadline_s=max(r.deadline - time.monotonic(), 0.0),
                                rounds_done=self.rounds_done, included_round=included[0],
                                included_attempt=included[1])
+        if self._encodes:  # this client's client-stage key, in its task only
+            header.tensors.extend(stage_key(r.client_keys[r.selected.index(cid)]))
         return wire.task_bytes(header, r.shared)
 
     def _idle(self, cid: int, held: bool) -> bytes:

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from fedax import federated as fed
 from fedax.algorithms import ALGORITHMS, RoundPieces, RoundState, init_state
 from fedax.algorithms.base import client_half, server_half
 from fedax.client import Batches
@@ -208,14 +209,17 @@ def build(task: Task) -> Built:
 
 
 class Report(NamedTuple):
-    """What a client sends: its ``ClientMessage`` (the update before any aggregator stage)
-    and its n_k for the weighted round statistics."""
+    """What a client sends: its ``ClientMessage`` (the update before any aggregator stage,
+    or, for a task that ``encodes``, the compressed message its aggregator's client stage
+    made, with that stage's stats in ``stage_stats``) and its n_k for the weighted round
+    statistics."""
 
     update: Any
     weight: jax.Array
     stats: dict[str, jax.Array]
     sums: Any
     num_examples: jax.Array
+    stage_stats: dict[str, jax.Array] = {}
 
 
 def server_state(pieces: RoundPieces, params: Any) -> RoundState:
@@ -235,39 +239,85 @@ def key_from_secret(secret: bytes) -> jax.Array:
 
 
 def client_step(pieces: RoundPieces, payload: Any, client_state: Any, batches: Batches,
-                num_examples: jax.Array, train_key: Any) -> tuple[Report, Any]:
+                num_examples: jax.Array, train_key: Any,
+                stage: Any = None) -> tuple[Report, Any]:
     """One client's half of a round; returns its ``Report`` and its new per-client state.
 
-    ``train_key`` is raw key data (or None when the client update takes no key)."""
+    ``train_key`` is raw key data (or None when the client update takes no key). ``stage``
+    (a task that ``encodes``): ``{"aggregator": state, "key": raw key}``, the aggregator's
+    state the server broadcast and this client's client-stage key (the simulator's
+    ``round_keys`` for its position); the client runs the aggregator's client stage (the
+    compressor's encoding) and sends its codes, what crosses the wire."""
     message = client_half(pieces, payload, client_state, batches, num_examples,
                           train_key if pieces.keyed else None)
-    report = Report(message.update, jnp.asarray(message.weight, jnp.float32),
-                    dict(message.stats), message.sums, jnp.asarray(num_examples, jnp.float32))
+    update, weight, stage_stats = message.update, message.weight, {}
+    if stage is not None:
+        update, weight, stage_stats = pieces.aggregator.client(
+            update, weight, stage["aggregator"], jax.random.wrap_key_data(stage["key"]))
+    report = Report(update, jnp.asarray(weight, jnp.float32), dict(message.stats),
+                    message.sums, jnp.asarray(num_examples, jnp.float32), dict(stage_stats))
     return report, message.client_state
 
 
+def encodes(task: Task) -> bool:
+    """The task's clients run its aggregator's client stage themselves: a compressed uplink
+    (``compression``), whose codes are what crosses the wire. The server decodes after
+    validating them; every other client stage (a clip) runs on the server."""
+    return task.config.get("compression") is not None
+
+
 def server_step(pieces: RoundPieces, state: RoundState, reports: Report,
-                client_keys: jax.Array, real: jax.Array,
-                key: jax.Array) -> tuple[RoundState, dict[str, jax.Array]]:
+                client_keys: jax.Array, real: jax.Array, key: jax.Array,
+                staged: bool = False) -> tuple[RoundState, dict[str, jax.Array]]:
     """The server's half of round ``state.round`` on the accepted reports (client-placed:
     leading axis C; padding rows, ``real`` False, have weight 0 and zeros), with the
     finite and bounds checks done per report before this call: ``reweigh``, then
     ``fedax.algorithms.server_half``, the function the simulator's round runs, with the
     aggregator's client stage on each report and its key ``client_keys[i]`` (raw key
-    data, the i-th selected client's of ``round_keys``)."""
+    data, the i-th selected client's of ``round_keys``); ``staged``: the clients ran it
+    (``encodes``), and their stage stats are summed here."""
     weights = reports.weight
     if pieces.reweigh is not None:  # before the aggregator, as in ``cohort_round``
         weights = pieces.reweigh(weights, reports.stats)
+    staged_stats = None
+    if staged:
+        staged_stats = jax.tree.map(
+            lambda v: jnp.where(real.reshape(real.shape + (1,) * (v.ndim - 1)), v, 0),
+            reports.stage_stats)
+        staged_stats = fed.sum(staged_stats) if jax.tree.leaves(staged_stats) else None
     new_state, metrics = server_half(pieces, state, reports.update, weights, reports.stats,
                                      reports.sums, reports.num_examples, key, real,
-                                     client_keys=client_keys)
+                                     client_keys=client_keys, staged=staged,
+                                     staged_stats=staged_stats)
     return new_state._replace(clients=None), metrics
 
 
-def payload_template(pieces: RoundPieces, params: Any) -> Any:
-    """Shapes and dtypes of what the server sends: the algorithm's payload."""
+def broadcast(pieces: RoundPieces, state: RoundState, encoded: bool) -> dict[str, Any]:
+    """What the server sends every selected client: the algorithm's payload and, for a
+    task that ``encodes``, the aggregator's state (rotation's shared key)."""
+    sent = {"payload": pieces.payload(state.server)}
+    if encoded:
+        sent["stage"] = {"aggregator": state.aggregator}
+    return sent
+
+
+def stage_key(key_data: Any) -> list:
+    """The ``Tensor`` of one client's client-stage key (raw key data), which the server
+    appends to that client's task only (``wire.task_bytes``)."""
+    from fedax.runtime import wire
+
+    return wire.encode_tree({"stage": {"key": key_data}})
+
+
+def payload_template(pieces: RoundPieces, params: Any, encoded: bool = False) -> Any:
+    """Shapes and dtypes of what the server sends: the algorithm's payload; with
+    ``encoded``, also the ``stage`` a client encodes with (the aggregator's state, shared,
+    and the client's own key, which the server puts in that client's task only)."""
     state = jax.eval_shape(lambda p: server_state(pieces, p), params)
-    return jax.eval_shape(lambda s: {"payload": pieces.payload(s.server)}, state)
+    sent = jax.eval_shape(lambda s: {"payload": pieces.payload(s.server)}, state)
+    if encoded:
+        sent["stage"] = {"aggregator": state.aggregator, "key": key_data_template()}
+    return sent
 
 
 def key_data_template() -> jax.ShapeDtypeStruct:
@@ -276,10 +326,11 @@ def key_data_template() -> jax.ShapeDtypeStruct:
 
 
 def report_template(pieces: RoundPieces, params: Any, input_shape: list[int],
-                    input_dtype: str = "float32", label_shape: list[int] = ()) -> Any:
+                    input_dtype: str = "float32", label_shape: list[int] = (),
+                    encoded: bool = False) -> Any:
     """Shapes and dtypes of one client's ``Report`` (the server checks every report
     against it); independent of the client's batch shapes."""
-    sent = payload_template(pieces, params)
+    sent = payload_template(pieces, params, encoded)
     batches = Batches(jax.ShapeDtypeStruct((1, 1, *input_shape), jnp.dtype(input_dtype)),
                       jax.ShapeDtypeStruct((1, 1, *label_shape), jnp.int32),
                       jax.ShapeDtypeStruct((1, 1), jnp.float32))
@@ -288,6 +339,6 @@ def report_template(pieces: RoundPieces, params: Any, input_shape: list[int],
         client_state = jax.eval_shape(pieces.client_state, params)
     key = key_data_template()
     report, _ = jax.eval_shape(
-        lambda p, c, b, k: client_step(pieces, p, c, b, jnp.float32(1.0), k),
-        sent["payload"], client_state, batches, key)
+        lambda p, c, b, k, s: client_step(pieces, p, c, b, jnp.float32(1.0), k, s),
+        sent["payload"], client_state, batches, key, sent.get("stage"))
     return report

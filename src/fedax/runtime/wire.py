@@ -140,10 +140,11 @@ def report_metadata(envelope: Any) -> tuple[tuple[str, str], ...]:
 
 
 def task_bytes(header: Any, shared: bytes) -> bytes:
-    """One client's task: its ``header`` envelope (no tensors) serialized, then the
-    round's ``shared`` serialized tensors (``Envelope(tensors=...)``), parsed by the
-    receiver as one ``Envelope`` (protobuf merges concatenated messages)."""
-    return header.SerializeToString() + shared
+    """One client's task: the round's ``shared`` serialized tensors
+    (``Envelope(tensors=...)``), then its ``header`` envelope serialized (its own tensors,
+    if any, come after the shared ones), parsed by the receiver as one ``Envelope``
+    (protobuf merges concatenated messages, appending repeated fields)."""
+    return shared + header.SerializeToString()
 
 
 class WireError(ValueError):
@@ -327,3 +328,12 @@ def grpc_options(chunk_bytes: int) -> list[tuple[str, int]]:
     limit = int(chunk_bytes) + (64 << 10)
     return [("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit)]
+
+
+def server_grpc_options(chunk_bytes: int) -> list[tuple[str, int]]:
+    """The server's options: ``grpc_options``, idle connections closed after 5 minutes,
+    keepalive pings every minute (20 s to answer), at most 64 streams a connection."""
+    return grpc_options(chunk_bytes) + [
+        ("grpc.max_connection_idle_ms", 300_000),
+        ("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.max_concurrent_streams", 64)]
