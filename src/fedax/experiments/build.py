@@ -94,14 +94,9 @@ def privacy_aggregator(config: Config, plan: PrivacyPlan) -> Any:
                                clip_budget=p.clip if p.pin_scale else None)
 
 
-def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
-                    num_clients: int | None = None, aggregator: Any = None,
-                    example_privacy: tuple[float, float] | None = None,
-                    holdout_privacy: Any = None) -> FederatedAlgorithm:
-    """The config's algorithm on ``apply_fn``'s model with the cross-entropy loss (per token,
-    PAD targets ignored, when ``sequence``), with ``aggregator`` (default: the weighted
-    mean). With ``server.lr: learned``, ``holdout_privacy`` (a ``HoldoutPrivacy``, from the
-    run's privacy plan) privatizes the holdout hypergradient."""
+def make_loss(apply_fn, sequence: bool = False):
+    """The experiments' loss on ``apply_fn``'s model: the cross-entropy, per token with PAD
+    targets ignored when ``sequence`` (the char-LSTM)."""
 
     def loss_fn(params, batch: Batches):
         logits = apply_fn(params, batch.x)
@@ -111,6 +106,19 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
             return token_cross_entropy(logits, batch.y, batch.mask)
         return softmax_cross_entropy(logits, batch.y, batch.mask)
 
+    return loss_fn
+
+
+def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
+                    num_clients: int | None = None, aggregator: Any = None,
+                    example_privacy: tuple[float, float] | None = None,
+                    holdout_privacy: Any = None) -> FederatedAlgorithm:
+    """The config's algorithm on ``apply_fn``'s model with the cross-entropy loss (per token,
+    PAD targets ignored, when ``sequence``), with ``aggregator`` (default: the weighted
+    mean). With ``server.lr: learned``, ``holdout_privacy`` (a ``HoldoutPrivacy``, from the
+    run's privacy plan) privatizes the holdout hypergradient."""
+
+    loss_fn = make_loss(apply_fn, sequence)
     # The registry entry's own options the config has (FedProx's mu), and its server
     # optimizer, every hyperparameter resolved (as summary.json records it).
     options = {k: getattr(config, k) for k in ALGORITHMS[config.algorithm].options

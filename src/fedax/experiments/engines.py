@@ -149,13 +149,14 @@ class NetworkConfig(_Section):
 def network_combination(config: Any) -> tuple[str, str] | None:
     """Why ``config`` cannot run with ``execution.mode: network``, as ``(key, message)``,
     or None: what only a simulation has (attacks, simulated stragglers, devices), what the
-    runtime does not carry yet (the learned η, per-client evaluation),
+    runtime does not carry yet (the learned η under privacy, per-client evaluation),
     and what its accountant would not cover (Poisson sampling, over-selection under DP)."""
     if config.execution.mode != "network":
         return None
     private = config.privacy is not None
-    why = {"server.lr": (config.server.lr == "learned", "'learned' needs holdout clients the "
-                         "networked server does not schedule yet"),
+    why = {"server.lr": (config.server.lr == "learned" and private, "'learned' with privacy "
+                         "privatizes the holdout hypergradient, which the networked server "
+                         "does not do yet"),
            "attack": (config.attack is not None, "attacks are simulated; over the network a "
                       "client attacks by itself"),
            "stragglers": (config.stragglers > 0, "stragglers are simulated; over the network "

@@ -254,7 +254,13 @@ def _build(task_json: str):
     state_template = None
     if pieces.client_state is not None:
         state_template = jax.eval_shape(pieces.client_state, built.params)
-    return {"task": task, "pieces": pieces, "params": built.params,
+    holdout = {}
+    if built.learned is not None:
+        from fedax.runtime.holdout import holdout_step, holdout_template
+
+        holdout = {"holdout_sent": holdout_template(built.params),
+                   "holdout_step": jax.jit(functools.partial(holdout_step, built.loss))}
+    return {"task": task, "pieces": pieces, "params": built.params, **holdout,
             "sent": store.raw_template(template), "sent_typed": template,
             "key": key_data_template(), "step": step, "state_template": state_template}
 
@@ -459,6 +465,9 @@ class Client:
                 if env.kind == "task":
                     self._work(conn, b, env)
                     continue
+                if env.kind == "holdout":
+                    self._holdout(conn, b, env)
+                    continue
                 self.stop.wait(max(env.retry_after_s, 0.01))
         finally:
             conn.close()
@@ -521,3 +530,24 @@ class Client:
         if not reply.accepted:
             log.warning("client %d: report for round %d.%d refused: %s", cid, t, env.attempt,
                         reply.reason)
+
+    def _holdout(self, conn: Connection, b, env) -> None:
+        """A holdout task (``fedax.runtime.holdout``): the loss at the new model over all
+        this client's examples, in one batch, and its derivative along the tangent sent."""
+        import jax
+
+        from fedax.client import Batches
+
+        cid, t = self.config.client_id, int(env.round)
+        sent = wire.decode_tree(list(env.tensors), b["holdout_sent"], "holdout task")
+        x = self.x.astype(np.int32 if np.issubdtype(self.x.dtype, np.integer) else np.float32)
+        batches = Batches(x[None], self.y.astype(np.int32)[None],
+                          np.ones((1, len(self.y)), np.float32))
+        report = jax.device_get(b["holdout_step"](
+            sent["payload"]["params"], sent["payload"]["tangent"], batches,
+            np.float32(len(self.y))))
+        out = wire.Envelope(kind="update", client_id=cid, round=t, attempt=env.attempt,
+                            model_version=env.model_version, nonce=env.nonce,
+                            tensors=wire.encode_tree(report))
+        reply = self._call(conn.submit, out)
+        self.rounds.append((t, int(env.attempt), bool(reply.accepted), reply.reason))

@@ -54,17 +54,18 @@ from typing import Any
 
 import grpc
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fedax.aggregators import round_keys
 from fedax.algorithms.records import dumps, strict_json
 from fedax.runtime import store, wire
-from fedax.runtime.checks import ReportChecks, decoded_report
+from fedax.runtime.checks import ReportChecks
 from fedax.runtime.config import ServerConfig
 from fedax.runtime.gate import Gate, RateLimitedLog, Rejections, read_deadline
+from fedax.runtime.holdout_phase import HoldoutPhase
 from fedax.runtime.rounds import OpenRound, RoundFailed, finite, select, selection_words
 from fedax.runtime.security import Registry, ServerTLS
+from fedax.runtime.server_checkpoint import CHECKPOINT, ServerCheckpoints
 from fedax.runtime.task import (
     Report,
     Task,
@@ -80,11 +81,11 @@ from fedax.runtime.task import (
 )
 
 log = logging.getLogger("fedax.runtime.server")
-CHECKPOINT = "server_checkpoint.msgpack"
 ROUND_LOG = "rounds.jsonl"
+__all__ = ["CHECKPOINT", "ROUND_LOG", "Server"]
 
 
-class Server:
+class Server(HoldoutPhase, ServerCheckpoints):
     """A fedax server for ``task`` (see the module docstring).
 
     ``key``: the server's secret key. Default: drawn from the OS (``os.urandom``) at the
@@ -129,6 +130,7 @@ class Server:
                                     task.batch, config.max_examples)
         self._step = jax.jit(lambda s, r, k, m, key: server_step(self.pieces, s, r, k, m, key,
                                                                  self._encodes))
+        self._setup_learned(built, self._encodes)  # server.lr: learned
         self._set_key(key)
         self._lock = threading.Condition()
         self._news = threading.Condition()  # a round opened or closed, or the run ended
@@ -217,45 +219,6 @@ class Server:
         with self._news:
             self._news.notify_all()
 
-    # ---------------------------------------------------------------- checkpoints
-
-    def _checkpoint_paths(self) -> list[Path]:
-        return store.kept_paths(Path(self.config.checkpoint_dir) / CHECKPOINT,
-                                self.config.keep_checkpoints)
-
-    def _save(self, included: dict[int, tuple[int, int]]) -> None:
-        if self.config.checkpoint_dir is None:
-            return
-        # store.save writes through a 0600 temporary file: the secret stays the owner's.
-        store.save_kept(self._checkpoint_paths(), {
-            "version": 2, "task_sha256": self.task.sha256(), "round": self.rounds_done,
-            "state": store.encode(self.state), "secret": self._secret,
-            "key": np.asarray(jax.random.key_data(self._key)).tobytes(),
-            "included": {str(k): list(v) for k, v in included.items()},
-            "history": self.history})
-
-    def _restore(self) -> None:
-        if self.config.checkpoint_dir is None:
-            raise ValueError("resume needs a checkpoint_dir")
-        path, data = store.load_newest(self._checkpoint_paths())
-        if data is None:
-            log.warning("no checkpoint in %s; starting from round 0",
-                        self.config.checkpoint_dir)
-            return
-        if data.get("task_sha256") != self.task.sha256():
-            raise ValueError(f"the checkpoint in {path.parent} is from another task; resume "
-                             "with the same task settings or use a new checkpoint dir")
-        self.state = store.decode(data["state"], self._state_template, "checkpoint")
-        self.state = jax.tree.map(jnp.asarray, self.state)
-        if "secret" in data:
-            words = np.frombuffer(bytes(data["key"]), np.uint32).copy()
-            self._set_key(jax.random.wrap_key_data(words, impl=jax.random.key_impl(self._key)),
-                          bytes(data["secret"]))
-        self.rounds_done = int(data["round"])
-        self.included = {int(k): (int(v[0]), int(v[1])) for k, v in data["included"].items()}
-        self.history = list(data["history"])
-        log.info("resumed from %s after round %d", path, self.rounds_done)
-
     # --------------------------------------------------------------------- rounds
 
     def _alive(self) -> list[int]:
@@ -266,43 +229,52 @@ class Server:
 
     def _open(self, t: int, attempt: int) -> OpenRound | None:
         cfg = self.config
-        need = cfg.min_clients if cfg.min_clients is not None else cfg.selection_size
-        with self._lock:
-            while not self._stop.is_set():
-                alive = self._alive()
-                if len(alive) >= need:
-                    break
-                self._lock.wait(cfg.poll_interval_s)
-            if self._stop.is_set():
-                return None
+        alive = self._wait_alive(cfg.min_clients if cfg.min_clients is not None
+                                 else cfg.selection_size)
+        if alive is None:
+            return None
         count = min(cfg.selection_size, len(alive))
         words = ([self._simulator_seed] if self._simulator_seed is not None
                  else selection_words(self._secret))
         selected = select(words, t, attempt, alive, count)
         sent = broadcast(self.pieces, self.state, self._encodes)
-        payload = sent["payload"]
-        tensors = wire.encode_tree(store.raw(sent))
-        shared = wire.Envelope(tensors=tensors).SerializeToString()
-        version = hashlib.sha256(shared).hexdigest()[:16]
         keys = np.asarray(round_keys(round_key(self._key, t), count)[0])
+        log.info("round %d attempt %d: selected %d of %d alive clients", t, attempt, count,
+                 len(alive))
+        return self._publish(t, attempt, selected, store.raw(sent), sent["payload"], keys)
+
+    def _wait_alive(self, need: int) -> list[int] | None:
+        """The alive clients once there are ``need`` (None: the server stopped)."""
+        with self._lock:
+            while not self._stop.is_set():
+                alive = self._alive()
+                if len(alive) >= need:
+                    return alive
+                self._lock.wait(self.config.poll_interval_s)
+        return None
+
+    def _publish(self, t: int, attempt: int, selected: list[int], sent: Any, payload: Any,
+                 keys: Any, phase: str = "train", target: int | None = None) -> OpenRound:
+        """Open round (t, attempt) for ``selected`` with the tensors ``sent``."""
+        shared = wire.Envelope(tensors=wire.encode_tree(sent)).SerializeToString()
+        version = hashlib.sha256(shared).hexdigest()[:16]
         now = time.monotonic()
         with self._lock:
             self._bytes = {"in": 0, "out": 0}
             self._round = OpenRound(t, attempt, selected,
-                                 {c: secrets.token_hex(16) for c in selected}, shared,
-                                 jax.device_get(payload), keys, version,
-                                 now + cfg.deadline_s, now)
+                                    {c: secrets.token_hex(16) for c in selected}, shared,
+                                    jax.device_get(payload), keys, version,
+                                    now + self.config.deadline_s, now, phase=phase,
+                                    target=target)
             self._lock.notify_all()
         self._announce()
-        log.info("round %d attempt %d: selected %d of %d alive clients", t, attempt, count,
-                 len(alive))
         return self._round
 
     def _close(self, r: OpenRound) -> dict[str, Any]:
         with self._lock:
             while not self._stop.is_set():
                 settled = len(r.accepted) + len(r.rejected)
-                if (len(r.accepted) >= self.config.cohort_size
+                if (len(r.accepted) >= (r.target or self.config.cohort_size)
                         or settled >= len(r.selected)
                         or time.monotonic() >= r.deadline):
                     break
@@ -314,7 +286,7 @@ class Server:
             traffic = dict(self._bytes)
         self._announce()
         missing = len(r.selected) - len(accepted) - len(rejected)
-        full = len(accepted) >= self.config.cohort_size  # over-selected, not needed
+        full = len(accepted) >= (r.target or self.config.cohort_size)  # the rest: unneeded
         record = {"round": r.t, "attempt": r.attempt, "selected": len(r.selected),
                   "reported": len(accepted), "rejected": len(rejected),
                   "dropped": 0 if full else missing, "unneeded": missing if full else 0,
@@ -332,8 +304,9 @@ class Server:
         keys += [r.client_keys[0]] * pad
         real = np.arange(len(rows)) < len(ids)
         stacked = jax.tree.map(lambda *xs: np.stack(xs), *rows)
-        state, metrics = self._step(self.state, stacked, np.stack(keys), real,
-                                    round_key(self._key, r.t))
+        args = (stacked, np.stack(keys), real, round_key(self._key, r.t))
+        state, metrics = (self._step(self.state, *args) if self.learned is None
+                          else self._learned_aggregate(self.state, *args))
         return state, {k: float(v) for k, v in metrics.items()}
 
     def _run_rounds(self) -> None:
@@ -363,6 +336,8 @@ class Server:
             if len(accepted) >= need:
                 state, metrics = self._aggregate(r, accepted)
                 if finite(state):
+                    if self.learned is not None:  # the hypergradient's own phase
+                        metrics.update(self._holdout(t, state))
                     self._install(r, state, accepted, record, metrics)
                     return True
                 status = "non-finite"  # the old state stays; the round is tried again
@@ -439,12 +414,13 @@ class Server:
                 or cid in r.rejected):
             return None
         included = self.included.get(cid, (-1, -1))
-        header = wire.Envelope(kind="task", client_id=cid, round=r.t, attempt=r.attempt,
+        header = wire.Envelope(kind="task" if r.phase == "train" else r.phase,
+                               client_id=cid, round=r.t, attempt=r.attempt,
                                model_version=r.model_version, nonce=r.nonces[cid],
                                deadline_s=max(r.deadline - time.monotonic(), 0.0),
                                rounds_done=self.rounds_done, included_round=included[0],
                                included_attempt=included[1])
-        if self._encodes:  # this client's client-stage key, in its task only
+        if self._encodes and r.phase == "train":  # its client-stage key, in its task only
             header.tensors.extend(stage_key(r.client_keys[r.selected.index(cid)]))
         return wire.task_bytes(header, r.shared)
 
@@ -562,10 +538,7 @@ class Server:
                                     env.nonce) != header:
             return self._reject(r, cid, "sender", "the report's envelope does not match "
                                 "its call (client, round, attempt, version, nonce)")
-        report, problem = decoded_report(env.tensors, self._report_layout,
-                                         self._report_treedef)
-        if problem is None:
-            problem = self._checks.check(report, r.payload)
+        report, problem = self._checked_report(r, env)
         if problem is not None:
             return self._reject(r, cid, *problem)
         with self._lock:
@@ -573,7 +546,7 @@ class Server:
                 return wire.SubmitReply(accepted=False, reason="late: the round has closed")
             if cid in r.accepted or cid in r.rejected:
                 return self._reject(None, cid, "replay", "a second report in this round")
-            if len(r.accepted) >= self.config.cohort_size:
+            if len(r.accepted) >= (r.target or self.config.cohort_size):
                 return wire.SubmitReply(accepted=False, reason="late: the round is full")
             r.accepted[cid] = report
             self._lock.notify_all()

@@ -187,22 +187,41 @@ def _refuse_unprotected_sums(config: Config) -> None:
 
 
 class Built(NamedTuple):
-    """A task's model, pieces and initial parameters."""
+    """A task's model, pieces and initial parameters; with ``server.lr: learned``, the
+    loss its holdout clients evaluate and ``learned`` = (initial η, the hyper-optimizer's
+    learning rate, holdout clients a round)."""
 
     pieces: RoundPieces
     apply: Any
     params: Any
+    loss: Any = None
+    learned: tuple[float, float, int] | None = None
 
 
 def build(task: Task) -> Built:
     """The task's ``RoundPieces``, model apply and initial parameters, from the one builder
-    (``fedax.experiments.build.build``), as the simulator builds the same config."""
-    built = build_spec(task.spec(), num_clients=task.num_clients,
+    (``fedax.experiments.build.build``), as the simulator builds the same config. With
+    ``server.lr: learned`` the pieces are the algorithm at its initial η, which the server
+    learns by hypergradient descent (``fedax.runtime.holdout``)."""
+    from fedax.experiments.build import make_loss
+    from fedax.experiments.config import resolved_server_optimizer
+    from fedax.experiments.privacy_plan import cohort_size
+
+    config, learned = task.spec(), None
+    if config.server.lr == "learned":
+        init_lr = float(resolved_server_optimizer(config).hyperparameters["lr"])
+        data = {k: v for k, v in task.config.items() if k != "learned_lr"}
+        data["server"] = {**data.get("server", {}), "lr": init_lr}
+        learned = (init_lr, float(config.learned_lr.hyper_lr),
+                   config.learned_lr.holdout_clients or cohort_size(config, task.num_clients))
+        config = validate_config(data)
+    built = build_spec(config, num_clients=task.num_clients,
                        model_kwargs=task.model_options, sequence=task.sequence)
     if built.algorithm.pieces is None:
         raise ValueError(f"algorithm {task.algorithm!r} is not a composition of round "
-                         "pieces (e.g. server.lr: learned); the runtime runs pieces only")
-    return Built(built.algorithm.pieces, built.model.apply, built.params)
+                         "pieces; the runtime runs pieces only")
+    return Built(built.algorithm.pieces, built.model.apply, built.params,
+                 make_loss(built.model.apply, task.sequence), learned)
 
 
 # --------------------------------------------------------------------- the two halves

@@ -1,0 +1,60 @@
+"""The server's checkpoint (a ``Server`` mixin): after every round, through
+``fedax.checkpoint``'s atomic mode-0600 write (it holds the server's secret), the last
+``keep_checkpoints`` kept; ``resume`` continues from the newest that reads, refusing one of
+another task."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedax.runtime import store
+
+log = logging.getLogger("fedax.runtime.server")
+CHECKPOINT = "server_checkpoint.msgpack"
+
+
+class ServerCheckpoints:
+    """Mixin of ``fedax.runtime.server.Server``: ``_save`` and ``_restore``."""
+
+    def _checkpoint_paths(self) -> list[Path]:
+        return store.kept_paths(Path(self.config.checkpoint_dir) / CHECKPOINT,
+                                self.config.keep_checkpoints)
+
+    def _save(self, included: dict[int, tuple[int, int]]) -> None:
+        if self.config.checkpoint_dir is None:
+            return
+        # store.save writes through a 0600 temporary file: the secret stays the owner's.
+        store.save_kept(self._checkpoint_paths(), {
+            "version": 2, "task_sha256": self.task.sha256(), "round": self.rounds_done,
+            "state": store.encode(self.state), "secret": self._secret,
+            "key": np.asarray(jax.random.key_data(self._key)).tobytes(),
+            "included": {str(k): list(v) for k, v in included.items()},
+            "history": self.history, **self._learned_checkpoint()})
+
+    def _restore(self) -> None:
+        if self.config.checkpoint_dir is None:
+            raise ValueError("resume needs a checkpoint_dir")
+        path, data = store.load_newest(self._checkpoint_paths())
+        if data is None:
+            log.warning("no checkpoint in %s; starting from round 0",
+                        self.config.checkpoint_dir)
+            return
+        if data.get("task_sha256") != self.task.sha256():
+            raise ValueError(f"the checkpoint in {path.parent} is from another task; resume "
+                             "with the same task settings or use a new checkpoint dir")
+        self.state = store.decode(data["state"], self._state_template, "checkpoint")
+        self.state = jax.tree.map(jnp.asarray, self.state)
+        if "secret" in data:
+            words = np.frombuffer(bytes(data["key"]), np.uint32).copy()
+            self._set_key(jax.random.wrap_key_data(words, impl=jax.random.key_impl(self._key)),
+                          bytes(data["secret"]))
+        self.rounds_done = int(data["round"])
+        self.included = {int(k): (int(v[0]), int(v[1])) for k, v in data["included"].items()}
+        self.history = list(data["history"])
+        self._learned_restore(data)
+        log.info("resumed from %s after round %d", path, self.rounds_done)
