@@ -53,6 +53,11 @@ def test_async_in_lockstep_is_the_sync_run_bit_for_bit(algorithm, tmp_path):
     ({"stragglers": 0.2}, "stragglers"),
     ({"attack": {"kind": "sign_flip", "fraction": 0.25}}, "attack"),
     ({"execution": {"devices": 2}}, "execution.devices"),
+    ({"asynchronous": {"buffer_size": 6, "concurrency": 3}}, "asynchronous.concurrency"),
+    ({"compression": {"scheme": "top_k", "fraction": 0.1, "error_feedback": True},
+      "asynchronous": {"staleness": {"kind": "constant"}}}, "compression.error_feedback"),
+    # the staleness weight would scale qsgd's packed codes, not the decoded update
+    ({"compression": {"scheme": "qsgd", "levels": 7}}, "asynchronous.staleness"),
 ])
 def test_what_fedbuff_does_not_model_is_refused(change, key):
     with pytest.raises(ConfigError, match=rf"config key '{key}'.*execution.mode async"):

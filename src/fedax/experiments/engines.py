@@ -81,13 +81,17 @@ def _first_refusal(why: dict[str, tuple[bool, str]], mode: str) -> tuple[str, st
     return None
 
 
+def _cohort(config: Any) -> int:
+    """m, the cohort of ``client_fraction`` of ``num_clients`` (``sample_clients``')."""
+    n = config.num_clients
+    return min(max(math.floor(config.client_fraction * n + 1e-9), 1), n)
+
+
 def lockstep(config: Any) -> bool:
     """FedBuff in lockstep: K = M = the cohort m, every trip as long, no staleness weight;
     each flush is then a synchronous round of m clients (bit for bit,
     tests/test_execution_modes.py)."""
-    a = config.asynchronous
-    n = config.num_clients
-    m = min(max(math.floor(config.client_fraction * n + 1e-9), 1), n)  # sample_clients' m
+    a, m = config.asynchronous, _cohort(config)
     return (a.buffer_size in (None, m) and a.concurrency in (None, m)
             and a.latency.kind == "constant" and a.staleness.kind == "constant"
             and a.weighting == "algorithm" and a.max_staleness is None)
@@ -99,8 +103,20 @@ def async_combination(config: Any) -> tuple[str, str] | None:
     own, sampled as fixed-size blocks; what it does not model is refused here."""
     if config.execution.mode != "async":
         return None
+    a, m = config.asynchronous, _cohort(config)
+    compressed = config.compression is not None
     why = {"algorithm": (config.algorithm.startswith("scaffold"), "keeps per-client state "
                          "(c_i), which buffered asynchronous updates do not carry"),
+           "compression.error_feedback": (compressed and config.compression.error_feedback,
+                                          "keeps per-client state (the residual), which "
+                                          "buffered asynchronous updates do not carry"),
+           "asynchronous.staleness": (compressed and a.staleness.kind != "constant", "the "
+                                      "staleness weight would scale the encoded codes, not "
+                                      "the decoded update; use staleness.kind constant with "
+                                      "compression"),
+           "asynchronous.concurrency": ((a.concurrency or m) < (a.buffer_size or m),
+                                        f"must be at least buffer_size ({a.buffer_size or m}"
+                                        "): fewer clients in flight never fill the buffer"),
            "privacy": (config.privacy is not None and not lockstep(config), "the "
                        "accountant counts synchronous rounds, not buffered asynchronous "
                        "updates (only in lockstep, asynchronous.buffer_size = concurrency = "
