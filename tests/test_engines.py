@@ -280,3 +280,70 @@ def test_the_learned_server_lr_over_the_network_follows_the_simulators(tmp_path)
     # (after three rounds whose η agree to 1e-6, one weight in 40,000 differs by 1.5e-5)
     assert_same_model(final_params(tmp_path / "sync"), final_params(tmp_path / "network"),
                       rtol=1e-3, atol=5e-5)
+
+
+def test_the_async_servers_step_is_fedbuffs(tmp_path):
+    """``AsyncServer``'s server step on K buffered reports with staleness τ_k equals a NumPy
+    FedBuff step: x − η Σ_k n_k s(τ_k) Δ_k / Σ_k n_k with s(τ) = (1 + τ)^(−1/2) (FedAvg's
+    weighted mean, server SGD at η = 1)."""
+    from fedax.runtime import Registry, ServerConfig, ServerTLS, make_dev_pki
+    from fedax.runtime.async_server import AsyncServer, Buffered
+    from fedax.runtime.task import Report, round_key
+    from fedax.simulation.asynchronous import Staleness
+
+    pki = make_dev_pki(tmp_path, 4)
+    config = {"seed": 1, "rounds": 2, "dataset": "synthetic", "model": "logistic",
+              "algorithm": "fedavg", "client_fraction": 1.0, "local_epochs": 1,
+              "batch_size": 10, "client_lr": 0.1, "num_clients": 4}
+    task = Task(config, 4, [3], {"input_dim": 3, "num_classes": 2})
+    server = AsyncServer(task, ServerConfig(rounds=2, cohort_size=3),
+                         ServerTLS(pki["cert"], pki["key"]), Registry.load(pki["registry"]),
+                         buffered=Buffered(3, 4, Staleness("polynomial", 0.5)))
+    rng = np.random.default_rng(0)
+    before = {k: np.asarray(v) for k, v in server.params["dense"].items()}
+    deltas = [{"dense": {k: rng.normal(size=v.shape).astype(np.float32)
+                         for k, v in before.items()}} for _ in range(3)]
+    n = np.array([5.0, 10.0, 20.0], np.float32)
+    taus = np.array([0, 1, 3], np.int32)
+    reports = Report({"dense": {k: np.stack([d["dense"][k] for d in deltas])
+                                for k in before}},
+                     n, {"train_loss": np.zeros(3, np.float32)}, (), n, {})
+    keys = np.zeros((3, 2), np.uint32)
+    state, metrics = server._flush(server.state, reports, taus, keys,
+                                   round_key(server._key, 0))
+    s = (1.0 + taus) ** -0.5
+    for k, x in before.items():
+        mean = sum(n[i] * s[i] * deltas[i]["dense"][k] for i in range(3)) / n.sum()
+        np.testing.assert_allclose(np.asarray(server.pieces.server_params(
+            state.server)["dense"][k]), x - mean, rtol=1e-5, atol=1e-6)
+    assert float(metrics["mean_staleness_weight"]) == pytest.approx(s.mean(), rel=1e-6)
+
+
+@pytest.mark.serial
+def test_an_asynchronous_networked_run(tmp_path):
+    """FedBuff over the network: K = 5 reports a server step, M = 10 trips in flight, no
+    rounds; every version's record says its staleness, trips and bytes, and the model
+    learns (the test accuracy rises above the initial model's chance level)."""
+    sets = ["rounds=6", "eval_every=3", "execution.mode=network", "network.local_clients=2",
+            "network.asynchronous=true", "asynchronous.buffer_size=5",
+            "asynchronous.concurrency=10", "asynchronous.staleness.kind=constant"]
+    records_ = run(sets, tmp_path / "async")
+    assert [r["round"] for r in records_] == [1, 2, 3, 4, 5, 6]
+    for r in records_:
+        assert len(r["clients"]) == 5 and r["bytes_in"] > 0 and r["stale"] == 0
+        assert 0 <= r["mean_staleness"] <= r["max_staleness"] <= 6
+    assert sum(r["trips"] for r in records_) >= 30  # every step took five finished trips
+    assert records_[-1]["test_accuracy"] > 0.3  # ten classes: chance is 0.1
+    summary = json.loads((tmp_path / "async" / "summary.json").read_text())
+    assert summary["rounds_run"] == 6 and summary["config"]["network"]["asynchronous"]
+
+
+@pytest.mark.parametrize("change, key", [
+    (["algorithm=scaffold"], "algorithm"),
+    (DP, "privacy"),
+    (["asynchronous.buffer_size=20", "asynchronous.concurrency=10"],
+     "asynchronous.concurrency"),
+])
+def test_what_the_async_server_does_not_carry_is_refused(change, key):
+    with pytest.raises(ConfigError, match=rf"config key '{key}'.*execution.mode network"):
+        load_config(CONFIG, ["execution.mode=network", "network.asynchronous=true", *change])

@@ -481,7 +481,8 @@ def config_to_dict(config: Config) -> dict[str, Any]:
             data.pop(section)
     if config.execution.mode == "sync":  # the default engine dumps as before it had a name
         data["execution"].pop("mode")
-    if config.execution.mode != "async":
+    if config.execution.mode != "async" and not (config.execution.mode == "network"
+                                                 and config.network.asynchronous):
         data.pop("asynchronous")
     if config.execution.mode != "network":
         data.pop("network")

@@ -103,20 +103,7 @@ def async_combination(config: Any) -> tuple[str, str] | None:
     own, sampled as fixed-size blocks; what it does not model is refused here."""
     if config.execution.mode != "async":
         return None
-    a, m = config.asynchronous, _cohort(config)
-    compressed = config.compression is not None
-    why = {"algorithm": (config.algorithm.startswith("scaffold"), "keeps per-client state "
-                         "(c_i), which buffered asynchronous updates do not carry"),
-           "compression.error_feedback": (compressed and config.compression.error_feedback,
-                                          "keeps per-client state (the residual), which "
-                                          "buffered asynchronous updates do not carry"),
-           "asynchronous.staleness": (compressed and a.staleness.kind != "constant", "the "
-                                      "staleness weight would scale the encoded codes, not "
-                                      "the decoded update; use staleness.kind constant with "
-                                      "compression"),
-           "asynchronous.concurrency": ((a.concurrency or m) < (a.buffer_size or m),
-                                        f"must be at least buffer_size ({a.buffer_size or m}"
-                                        "): fewer clients in flight never fill the buffer"),
+    why = {**_buffered_refusals(config),
            "privacy": (config.privacy is not None and not lockstep(config), "the "
                        "accountant counts synchronous rounds, not buffered asynchronous "
                        "updates (only in lockstep, asynchronous.buffer_size = concurrency = "
@@ -135,6 +122,24 @@ def async_combination(config: Any) -> tuple[str, str] | None:
     return _first_refusal(why, "async")
 
 
+def _buffered_refusals(config: Any) -> dict[str, tuple[bool, str]]:
+    """What buffered asynchronous updates (FedBuff, simulated or networked) cannot carry."""
+    a, m = config.asynchronous, _cohort(config)
+    compressed = config.compression is not None
+    return {"algorithm": (config.algorithm.startswith("scaffold"), "keeps per-client state "
+                         "(c_i), which buffered asynchronous updates do not carry"),
+           "compression.error_feedback": (compressed and config.compression.error_feedback,
+                                          "keeps per-client state (the residual), which "
+                                          "buffered asynchronous updates do not carry"),
+           "asynchronous.staleness": (compressed and a.staleness.kind != "constant", "the "
+                                      "staleness weight would scale the encoded codes, not "
+                                      "the decoded update; use staleness.kind constant with "
+                                      "compression"),
+           "asynchronous.concurrency": ((a.concurrency or m) < (a.buffer_size or m),
+                                        f"must be at least buffer_size ({a.buffer_size or m}"
+                                        "): fewer clients in flight never fill the buffer")}
+
+
 class NetworkConfig(_Section):
     """``execution.mode: network``: the rounds run on a gRPC server (TLS, client tokens)
     with real client processes (``fedax.runtime``; docs/deployment.md). ``fedax run``
@@ -147,7 +152,11 @@ class NetworkConfig(_Section):
     registry, tokens; default: a fresh development PKI in the run directory).
     ``server_randomness``: ``secret`` (``os.urandom``, a deployment's) or ``seed`` (the
     config's seed: the simulator's keys and selection, so the run equals ``mode: sync``;
-    public, a rehearsal's only)."""
+    public, a rehearsal's only). ``asynchronous``: FedBuff on the server, no rounds
+    (``fedax.runtime.async_server``): clients take the current model when they are free and
+    report when done, every ``asynchronous.buffer_size`` reports make a server step with
+    ``asynchronous.staleness`` weights, ``asynchronous.concurrency`` trips in flight
+    (``asynchronous.latency`` is the simulator's; here trips take what they take)."""
 
     local_clients: int = Field(2, ge=0)
     cohort_size: int | None = Field(None, ge=1)
@@ -160,6 +169,7 @@ class NetworkConfig(_Section):
     setup: str | None = None
     server_randomness: Literal["secret", "seed"] = "secret"
     max_examples: int = Field(1_000_000, ge=1)
+    asynchronous: bool = False
 
 
 def network_combination(config: Any) -> tuple[str, str] | None:
@@ -170,6 +180,15 @@ def network_combination(config: Any) -> tuple[str, str] | None:
     if config.execution.mode != "network":
         return None
     private = config.privacy is not None
+    buffered = _buffered_refusals(config) if config.network.asynchronous else {}
+    if config.network.asynchronous:
+        buffered.update({
+            "privacy": (private, "the accountant counts synchronous rounds, not buffered "
+                                 "asynchronous updates"),
+            "server.lr": (config.server.lr == "learned", "'learned' differentiates a "
+                                                         "synchronous round")})
+    if _first_refusal(buffered, "network") is not None:
+        return _first_refusal(buffered, "network")
     why = {"server.lr": (config.server.lr == "learned" and private, "'learned' with privacy "
                          "privatizes the holdout hypergradient, which the networked server "
                          "does not do yet"),

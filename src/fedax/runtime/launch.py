@@ -151,6 +151,15 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
 
     rounds = config.rounds if plan is None else plan.rounds
     running: list[Server] = []
+    server_class, extra = Server, {}
+    if net.asynchronous:  # FedBuff on the server: rounds count server steps
+        from fedax.runtime.async_server import AsyncServer, Buffered
+        from fedax.simulation.asynchronous import Staleness
+
+        a, m = config.asynchronous, cohort_size(config, train.num_clients)
+        server_class, extra = AsyncServer, {"buffered": Buffered(
+            a.buffer_size or m, a.concurrency or m, Staleness(**a.staleness.model_dump()),
+            a.max_staleness)}
 
     def evaluate(params) -> dict[str, float]:
         done = running[0].rounds_done + 1  # the round being installed
@@ -159,7 +168,7 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
         accuracy, loss = evaluate_fn(params)
         return {"test_accuracy": float(accuracy), "test_loss": float(loss)}
 
-    server = Server(
+    server = server_class(
         task,
         ServerConfig(rounds=rounds, cohort_size=net.cohort_size or cohort_size(
                          config, train.num_clients),
@@ -173,7 +182,7 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
         ServerTLS(str(setup / "server.pem"), str(setup / "server.key")),
         Registry.load(str(setup / "registry.json")), address=f"{net.host}:{net.port}",
         resume=resume, evaluate=evaluate,
-        simulator_seed=config.seed if net.server_randomness == "seed" else None)
+        simulator_seed=config.seed if net.server_randomness == "seed" else None, **extra)
     running.append(server)
     started = time.perf_counter()
     port = server.start()

@@ -1,0 +1,262 @@
+"""An asynchronous networked server: FedBuff (Nguyen et al. 2022) run by a real server, as
+Papaya (Huba et al. 2022) runs it in production. There are no rounds.
+
+The server keeps up to M = ``concurrency`` *trips* in flight: an idle, alive client is
+given the current model version v with a trip id (its shuffles' and training keys' round
+index) and a single-use nonce; it trains and reports whenever it is done. A report is
+checked as in the synchronous server (authenticated before any byte is read, its trip's
+id, version and nonce, exact arrays, finite, every bound re-checked on the server) and
+buffered with its staleness τ = (current version) − v; a report staler than
+``max_staleness`` is refused and counted, never averaged. When K = ``buffer_size`` reports
+are buffered the server applies them: the aggregator's client stage on each (on the
+server, with keys from its secret), the staleness weights s(τ) (``fedax.simulation.
+asynchronous.Staleness``), the reduction and server stage and the algorithm's server update
+(``fedax.algorithms.server_half``), as FedBuff's flush in the simulator does; then the new
+version is checkpointed, evaluated and logged. A trip whose report has not come within
+``deadline_s`` is dropped and its slot given to another client. Clients need nothing new:
+a trip is a task like a round's (``fedax.runtime.client``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import secrets
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedax.aggregators import client_stage, round_keys
+from fedax.algorithms.base import server_half
+from fedax.runtime import store, wire
+from fedax.runtime.rounds import RoundFailed, finite, selection_words
+from fedax.runtime.server import Server
+from fedax.runtime.task import broadcast, round_key, stage_key
+
+log = logging.getLogger("fedax.runtime.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffered:
+    """FedBuff's settings: K = ``buffer_size`` reports a server step, M = ``concurrency``
+    trips in flight, the staleness weighting ``staleness`` (a ``Staleness``) and the
+    largest staleness kept (None: all)."""
+
+    buffer_size: int
+    concurrency: int
+    staleness: Any
+    max_staleness: int | None = None
+
+    def __post_init__(self):
+        if not 1 <= self.buffer_size <= self.concurrency:
+            raise ValueError(f"need 1 <= buffer_size ({self.buffer_size}) <= concurrency "
+                             f"({self.concurrency})")
+
+
+@dataclasses.dataclass
+class Trip:
+    """One client's trip: the version it trains on and what it was sent."""
+
+    trip: int
+    version: int
+    nonce: str
+    model_version: str
+    shared: bytes
+    payload: Any
+    key: Any
+    deadline: float
+
+
+class AsyncServer(Server):
+    """A FedBuff server (see the module docstring): ``Server``'s transport, gate, checks
+    and checkpoints with trips instead of rounds; ``config.rounds`` counts server steps
+    (model versions)."""
+
+    def __init__(self, *args, buffered: Buffered, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.learned is not None:
+            raise ValueError("a learned server learning rate differentiates a synchronous "
+                             "round; not with an asynchronous server")
+        self.buffered = buffered
+        self._trips: dict[int, Trip] = {}
+        self._buffer: list[tuple[int, Any, int]] = []  # (client, report, staleness)
+        self._next_trip = 0
+        self._sent: tuple[int, bytes, str, Any] | None = None  # the current version's
+        self._stats = {"trips": 0, "dropped": 0, "stale": 0}
+        self._flush = jax.jit(self._flush_fn)
+
+    # ------------------------------------------------------------------ the stream
+
+    def _run_rounds(self) -> None:
+        try:
+            started = time.monotonic()
+            while self.rounds_done < self.config.rounds and not self._stop.is_set():
+                self._dispatch()
+                with self._lock:
+                    self._expire()
+                    if len(self._buffer) < self.buffered.buffer_size:
+                        self._lock.wait(0.05)
+                        continue
+                    batch = self._buffer[:self.buffered.buffer_size]
+                    del self._buffer[:self.buffered.buffer_size]
+                self._apply(batch, started)
+                started = time.monotonic()
+            with self._lock:
+                self._done = self.rounds_done >= self.config.rounds
+                self._trips.clear()
+                self._lock.notify_all()
+            self._announce()
+        except BaseException as err:  # surfaced by wait()
+            self._error = err
+            log.error("the stream stopped: %s", err)
+            self._announce()
+
+    def _version_sent(self) -> tuple[int, bytes, str, Any]:
+        """The current version's shared tensors (made once per version)."""
+        v = self.rounds_done
+        if self._sent is None or self._sent[0] != v:
+            sent = broadcast(self.pieces, self.state, self._encodes)
+            shared = wire.Envelope(tensors=wire.encode_tree(store.raw(sent))).SerializeToString()
+            self._sent = (v, shared, hashlib.sha256(shared).hexdigest()[:16],
+                          jax.device_get(sent["payload"]))
+        return self._sent
+
+    def _dispatch(self) -> None:
+        """Idle alive clients get trips until M are in flight (drawn from the secret)."""
+        with self._lock:
+            free = self.buffered.concurrency - len(self._trips)
+            idle = [c for c in self._alive() if c not in self._trips]
+        if free <= 0 or not idle:
+            return
+        v, shared, model_version, payload = self._version_sent()
+        rng = np.random.default_rng([*selection_words(self._secret), self._next_trip])
+        chosen = [idle[i] for i in rng.permutation(len(idle))[:free]]
+        keys = np.asarray(round_keys(round_key(self._key, self._next_trip + (1 << 30)),
+                                     len(chosen))[0])
+        deadline = time.monotonic() + self.config.deadline_s
+        with self._lock:
+            for i, cid in enumerate(chosen):
+                self._trips[cid] = Trip(self._next_trip, v, secrets.token_hex(16),
+                                        model_version, shared, payload, keys[i], deadline)
+                self._next_trip += 1
+                self._stats["trips"] += 1
+            self._lock.notify_all()
+        self._announce()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for cid in [c for c, t in self._trips.items() if t.deadline < now]:
+            del self._trips[cid]
+            self._stats["dropped"] += 1
+
+    def _flush_fn(self, state, reports, taus, keys, key):
+        pieces = self.pieces
+        weights, stats = reports.weight, None
+        values = reports.update
+        if self._encodes:  # the clients encoded; their stage stats come with the reports
+            stats = jax.tree.map(lambda s: s.sum(0), reports.stage_stats) or None
+        elif pieces.aggregator.client is not None:
+            values, weights, stats = client_stage(pieces.aggregator, values, weights,
+                                                  state.aggregator, keys)
+        scale = self.buffered.staleness.weights(taus)
+        if self.buffered.staleness.kind != "constant":
+            values = jax.tree.map(
+                lambda v: v * scale.reshape(scale.shape + (1,) * (v.ndim - 1)).astype(v.dtype),
+                values)
+        state, metrics = server_half(pieces, state, values, weights, reports.stats,
+                                     reports.sums, reports.num_examples, key, staged=True,
+                                     staged_stats=stats)
+        metrics["mean_staleness_weight"] = jnp.mean(scale)
+        return state._replace(clients=None), metrics
+
+    def _apply(self, batch: list[tuple[int, Any, int]], started: float) -> None:
+        """A server step on K buffered reports; the new version is checkpointed, then
+        evaluated and logged."""
+        reports = jax.tree.map(lambda *xs: np.stack(xs), *[r for _, r, _ in batch])
+        taus = np.array([tau for _, _, tau in batch], np.int32)
+        v = self.rounds_done
+        keys = np.asarray(round_keys(round_key(self._key, v), len(batch))[0])
+        state, metrics = self._flush(self.state, reports, taus, keys, round_key(self._key, v))
+        if not finite(state):
+            raise RoundFailed(f"server step {v}: the new state is not finite")
+        self.state = state
+        metrics = {k: float(x) for k, x in metrics.items()}
+        if self.evaluate is not None:
+            metrics.update(self.evaluate(self.params))
+        with self._lock:
+            record = {"round": v, "clients": sorted(c for c, _, _ in batch),
+                      "mean_staleness": float(taus.mean()), "max_staleness": int(taus.max()),
+                      **self._stats, "bytes_in": self._bytes["in"],
+                      "bytes_out": self._bytes["out"], "status": "closed",
+                      "round_s": round(time.monotonic() - started, 4), **metrics}
+            self._bytes = {"in": 0, "out": 0}
+            self._stats = {"trips": 0, "dropped": 0, "stale": 0}
+        self.rounds_done = v + 1
+        self.history.append(record)
+        self._save(dict(self.included))
+        self._log(record)
+
+    # -------------------------------------------------------------- the protocol
+
+    def _task_for(self, cid: int) -> bytes | None:
+        trip = self._trips.get(cid)
+        if trip is None:
+            return None
+        header = wire.Envelope(kind="task", client_id=cid, round=trip.trip, attempt=0,
+                               model_version=trip.model_version, nonce=trip.nonce,
+                               deadline_s=max(trip.deadline - time.monotonic(), 0.0),
+                               rounds_done=self.rounds_done, included_round=-1,
+                               included_attempt=-1)
+        if self._encodes:
+            header.tensors.extend(stage_key(trip.key))
+        return wire.task_bytes(header, trip.shared)
+
+    def _check_header(self, r, cid: int, t: int, attempt: int, version: str,
+                      nonce: str) -> Any:
+        del r
+        with self._lock:
+            trip = self._trips.get(cid)
+        if trip is None or (t, attempt, version) != (trip.trip, 0, trip.model_version) \
+                or not secrets.compare_digest(nonce.encode(), trip.nonce.encode()):
+            return self._reject(None, cid, "wrong-round", f"no trip {t} of client {cid} is "
+                                "in flight with that model version and nonce")
+        return None
+
+    def _check_report(self, r, cid: int, header: tuple, env: Any) -> Any:
+        del r
+        with self._lock:
+            trip = self._trips.get(cid)
+        if trip is None or env.client_id != cid or \
+                (env.round, env.attempt, env.model_version, env.nonce) != header:
+            return self._reject(None, cid, "sender", "the report's envelope does not match "
+                                "its call and trip")
+        report, problem = self._checked_report(_TripRound(trip.payload), env)
+        if problem is not None:
+            with self._lock:
+                self._trips.pop(cid, None)
+            return self._reject(None, cid, *problem)
+        with self._lock:
+            if self._trips.get(cid) is not trip:
+                return wire.SubmitReply(accepted=False, reason="late: the trip has expired")
+            del self._trips[cid]
+            tau = self.rounds_done - trip.version
+            limit = self.buffered.max_staleness
+            if limit is not None and tau > limit:
+                self._stats["stale"] += 1
+                return self._reject(None, cid, "stale", f"staleness {tau} exceeds "
+                                    f"max_staleness {limit}")
+            self._buffer.append((cid, report, tau))
+            self._lock.notify_all()
+        return wire.SubmitReply(accepted=True)
+
+
+@dataclasses.dataclass
+class _TripRound:
+    """What the report checks read of an open round: its phase and payload."""
+
+    payload: Any
+    phase: str = "train"
