@@ -187,7 +187,8 @@ def test_server_init_start_and_clients_from_one_config(tmp_path, capsys):
         client = subprocess.run([*fedax, "client", "--server", f"127.0.0.1:{port}", "--ca",
                                  str(setup / "ca.pem"), "--config", str(setup / "config.yaml"),
                                  "--id", "0-2", "--token-file", str(setup / "tokens/{id}.token"),
-                                 "--state-dir", str(tmp_path / "c{id}"), "--connect-s", "60"],
+                                 "--state-dir", str(tmp_path / "c{id}"), "--connect-s", "60",
+                                 "--delay-s", "0.3"],  # slow devices: 0.3 s before reporting
                                 capture_output=True, text=True, env=env, timeout=120)
         out, err = server.communicate(timeout=60)
     finally:
@@ -200,6 +201,7 @@ def test_server_init_start_and_clients_from_one_config(tmp_path, capsys):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["rounds_run"] == 2
     assert len(records(tmp_path / "run")) == 2
+    assert all(r["round_s"] >= 0.3 for r in records(tmp_path / "run"))  # the clients waited
 
 
 SHAKESPEARE = {"seed": 0, "rounds": 2, "dataset": "shakespeare", "partition": "natural",

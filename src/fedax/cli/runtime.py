@@ -350,7 +350,8 @@ def cmd_client(args) -> int:
         _per_client(args.token_file, k, several, "--token-file")),
         ClientTLS(args.ca, args.server_name),
         state_dir=_per_client(args.state_dir, k, several, "--state-dir"),
-        reconnect_s=args.reconnect_s, connect_s=args.connect_s), *examples[k]) for k in ids]
+        reconnect_s=args.reconnect_s, connect_s=args.connect_s, delay_s=args.delay_s),
+        *examples[k]) for k in ids]
     results: dict[int, Any] = {}
 
     def go(k, client):
@@ -475,4 +476,7 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     client.add_argument("--reconnect-s", type=float, default=60.0,
                         help="once joined, give up after the server is unreachable this "
                              "long (default 60)")
+    client.add_argument("--delay-s", type=float, default=0.0,
+                        help="wait this long after training each task, before reporting (a "
+                             "slow device, for experiments; default 0)")
     client.set_defaults(func=cmd_client)

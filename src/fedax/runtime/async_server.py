@@ -93,9 +93,11 @@ class AsyncServer(Server):
 
     def _run_rounds(self) -> None:
         try:
-            started = time.monotonic()
+            started = None  # the first version's time counts from the first trip
             while self.rounds_done < self.config.rounds and not self._stop.is_set():
                 self._dispatch()
+                if started is None and self._next_trip:
+                    started = time.monotonic()
                 with self._lock:
                     self._expire()
                     if len(self._buffer) < self.buffered.buffer_size:

@@ -281,6 +281,8 @@ class ClientConfig:
       reconnect_s: once joined, give up after this many seconds without reaching the
         server (a server restart within it is invisible to the client).
       max_message_bytes: refuse a larger task from the server.
+      delay_s: wait this long after training each task, before reporting (a slow device,
+        for experiments with clients of several speeds).
     """
 
     address: str
@@ -292,6 +294,7 @@ class ClientConfig:
     connect_s: float | None = None
     max_message_bytes: int = 256 << 20
     timeout_s: float = 30.0
+    delay_s: float = 0.0
 
 
 _RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -525,6 +528,8 @@ class Client:
         out = wire.Envelope(kind="update", client_id=cid, round=t, attempt=env.attempt,
                             model_version=env.model_version, nonce=env.nonce,
                             tensors=wire.encode_tree(report))
+        if self.config.delay_s > 0:
+            self.stop.wait(self.config.delay_s)
         reply = self._call(conn.submit, out)
         self.rounds.append((t, int(env.attempt), bool(reply.accepted), reply.reason))
         if not reply.accepted:
