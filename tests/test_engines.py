@@ -349,3 +349,19 @@ def test_an_asynchronous_networked_run(tmp_path):
 def test_what_the_async_server_does_not_carry_is_refused(change, key):
     with pytest.raises(ConfigError, match=rf"config key '{key}'.*execution.mode network"):
         load_config(CONFIG, ["execution.mode=network", "network.asynchronous=true", *change])
+
+
+@pytest.mark.serial
+def test_clients_evaluate_on_their_own_test_data(tmp_path):
+    """per_client_eval over the network: at each evaluation every client gets the new model
+    (an evaluate task) and reports its test sums on its own test examples; the distribution
+    over clients is the simulator's, which scores the pooled test set by client."""
+    sets = ["rounds=2", "eval_every=1", "execution.devices=1", "per_client_eval=true"]
+    sync = run(sets, tmp_path / "sync")
+    network = run(sets + NETWORK, tmp_path / "network")
+    keys = [k for k in sync[0] if k.startswith("client_accuracy") or k == "client_loss_mean"]
+    assert len(keys) >= 8 and network[0]["clients_evaluated"] == 100
+    assert_close_records(sync, network, keys, 1e-5)
+    summary = json.loads((tmp_path / "network" / "summary.json").read_text())
+    assert summary["final_client_accuracy"]["client_accuracy_worst10"] == \
+        pytest.approx(sync[-1]["client_accuracy_worst10"], abs=1e-6)

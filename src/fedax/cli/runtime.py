@@ -345,13 +345,14 @@ def cmd_client(args) -> int:
 
         examples = client_examples(load_config(args.config), ids)
     else:
-        examples = {k: _data_file(_per_client(args.data, k, several, "--data")) for k in ids}
+        examples = {k: (*_data_file(_per_client(args.data, k, several, "--data")), None)
+                    for k in ids}
     clients = [Client(ClientConfig(args.server, k, read_token(
         _per_client(args.token_file, k, several, "--token-file")),
         ClientTLS(args.ca, args.server_name),
         state_dir=_per_client(args.state_dir, k, several, "--state-dir"),
         reconnect_s=args.reconnect_s, connect_s=args.connect_s, delay_s=args.delay_s),
-        *examples[k]) for k in ids]
+        *examples[k][:2], test=examples[k][2]) for k in ids]
     results: dict[int, Any] = {}
 
     def go(k, client):

@@ -175,7 +175,7 @@ class NetworkConfig(_Section):
 def network_combination(config: Any) -> tuple[str, str] | None:
     """Why ``config`` cannot run with ``execution.mode: network``, as ``(key, message)``,
     or None: what only a simulation has (attacks, simulated stragglers, devices), what the
-    runtime does not carry yet (the learned η under privacy, per-client evaluation),
+    runtime does not carry yet (the learned η or compression under privacy),
     and what its accountant would not cover (Poisson sampling, over-selection under DP)."""
     if config.execution.mode != "network":
         return None
@@ -196,8 +196,6 @@ def network_combination(config: Any) -> tuple[str, str] | None:
                       "client attacks by itself"),
            "stragglers": (config.stragglers > 0, "stragglers are simulated; over the network "
                           "deadlines and drop-outs are real (network.deadline_s)"),
-           "per_client_eval": (config.per_client_eval, "the server holds no client's test "
-                               "data"),
            "privacy.sampling": (private and config.privacy.sampling == "poisson", "the "
                                 "server selects fixed-size cohorts"),
            "compression": (private and config.compression is not None, "a compressed "

@@ -254,12 +254,14 @@ def _build(task_json: str):
     state_template = None
     if pieces.client_state is not None:
         state_template = jax.eval_shape(pieces.client_state, built.params)
-    holdout = {}
-    if built.learned is not None:
-        from fedax.runtime.holdout import holdout_step, holdout_template
+    from fedax.runtime.holdout import eval_step, holdout_step, holdout_template
 
-        holdout = {"holdout_sent": holdout_template(built.params),
-                   "holdout_step": jax.jit(functools.partial(holdout_step, built.loss))}
+    sent_params = holdout_template(built.params)
+    holdout = {"eval_sent": {"payload": {"params": sent_params["payload"]["params"]}},
+               "eval_step": jax.jit(functools.partial(eval_step, built.apply))}
+    if built.learned is not None:
+        holdout.update(holdout_sent=sent_params,
+                       holdout_step=jax.jit(functools.partial(holdout_step, built.loss)))
     return {"task": task, "pieces": pieces, "params": built.params, **holdout,
             "sent": store.raw_template(template), "sent_typed": template,
             "key": key_data_template(), "step": step, "state_template": state_template}
@@ -312,9 +314,11 @@ class Client:
     """
 
     def __init__(self, config: ClientConfig, x: np.ndarray, y: np.ndarray,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None,
+                 test: tuple[np.ndarray, np.ndarray] | None = None):
         self.config = config
         self.x, self.y = np.asarray(x), np.asarray(y)
+        self.test = test  # its own test examples (x, y), for per_client_eval
         self.stop = stop or threading.Event()
         self.rounds: list[tuple[int, int, bool, str]] = []  # (round, attempt, accepted, why)
         self._conn: Connection | None = None
@@ -468,8 +472,8 @@ class Client:
                 if env.kind == "task":
                     self._work(conn, b, env)
                     continue
-                if env.kind == "holdout":
-                    self._holdout(conn, b, env)
+                if env.kind in ("holdout", "evaluate"):
+                    (self._holdout if env.kind == "holdout" else self._evaluate)(conn, b, env)
                     continue
                 self.stop.wait(max(env.retry_after_s, 0.01))
         finally:
@@ -543,7 +547,6 @@ class Client:
 
         from fedax.client import Batches
 
-        cid, t = self.config.client_id, int(env.round)
         sent = wire.decode_tree(list(env.tensors), b["holdout_sent"], "holdout task")
         x = self.x.astype(np.int32 if np.issubdtype(self.x.dtype, np.integer) else np.float32)
         batches = Batches(x[None], self.y.astype(np.int32)[None],
@@ -551,8 +554,29 @@ class Client:
         report = jax.device_get(b["holdout_step"](
             sent["payload"]["params"], sent["payload"]["tangent"], batches,
             np.float32(len(self.y))))
-        out = wire.Envelope(kind="update", client_id=cid, round=t, attempt=env.attempt,
-                            model_version=env.model_version, nonce=env.nonce,
-                            tensors=wire.encode_tree(report))
+        self._submit(conn, env, report)
+
+    def _evaluate(self, conn: Connection, b, env) -> None:
+        """An evaluate task: the test sums at the model sent on this client's own test
+        examples (zeros without any)."""
+        import jax
+
+        from fedax.runtime.holdout import EvalReport
+
+        sent = wire.decode_tree(list(env.tensors), b["eval_sent"], "evaluate task")
+        if self.test is None or len(self.test[1]) == 0:
+            report = EvalReport(np.float32(0), np.float32(0), np.float32(0))
+        else:
+            x, y = self.test
+            x = x.astype(np.int32 if np.issubdtype(x.dtype, np.integer) else np.float32)
+            report = jax.device_get(b["eval_step"](sent["payload"]["params"], x,
+                                                   y.astype(np.int32)))
+        self._submit(conn, env, report)
+
+    def _submit(self, conn: Connection, env, report) -> None:
+        out = wire.Envelope(kind="update", client_id=self.config.client_id, round=env.round,
+                            attempt=env.attempt, model_version=env.model_version,
+                            nonce=env.nonce, tensors=wire.encode_tree(report))
         reply = self._call(conn.submit, out)
-        self.rounds.append((t, int(env.attempt), bool(reply.accepted), reply.reason))
+        self.rounds.append((int(env.round), int(env.attempt), bool(reply.accepted),
+                            reply.reason))

@@ -65,6 +65,32 @@ def holdout_report_template() -> HoldoutReport:
     return HoldoutReport(scalar, scalar, scalar)
 
 
+class EvalReport(NamedTuple):
+    """What a client evaluating on its own test data sends: its correct predictions, the
+    summed cross-entropy and the number of scored targets (tokens, PAD aside)."""
+
+    correct: jax.Array
+    loss: jax.Array
+    count: jax.Array
+
+
+def eval_step(apply_fn, params: Any, x: jax.Array, y: jax.Array,
+              pad_id: int = 0) -> EvalReport:
+    """A client's test sums at ``params`` over its own examples (``y [n]`` classes or
+    ``[n, T]`` tokens, where targets equal to ``pad_id`` count for nothing)."""
+    logits = apply_fn(params, x)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    nll = -jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
+    correct = (jnp.argmax(logits, axis=-1) == y).astype(jnp.float32)
+    weight = (y != pad_id).astype(jnp.float32) if y.ndim > 1 else jnp.ones_like(nll)
+    return EvalReport(jnp.sum(correct * weight), jnp.sum(nll * weight), jnp.sum(weight))
+
+
+def eval_report_template() -> EvalReport:
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    return EvalReport(scalar, scalar, scalar)
+
+
 @dataclasses.dataclass
 class LearnedLR:
     """The server's hypergradient descent on u = log η: ``optimizer`` (optax, on u) and

@@ -60,16 +60,24 @@ def network_task(config: Config, data: FederatedData) -> Task:
                             label_shape=list(train.y.shape[1:]))
 
 
-def client_examples(config: Config, ids: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Client k's own examples ``(x, y)`` for each k in ``ids``: the config's partition, as
-    the simulator deals it (``fedax client --config``)."""
-    train = build_data(config).train
+def client_examples(config: Config, ids: list[int]) -> dict[int, tuple[Any, Any, Any]]:
+    """Client k's own examples ``(x, y, test)`` for each k in ``ids``: the config's
+    partition, as the simulator deals it (``fedax client --config``); ``test`` its own test
+    examples ``(x, y)`` with ``per_client_eval`` (None without)."""
+    data = build_data(config)
+    train = data.train
     bad = [k for k in ids if not 0 <= k < train.num_clients]
     if bad:
         raise ValueError(f"client ids {bad} are not in the config's population 0.."
                          f"{train.num_clients - 1}")
-    return {k: (train.x[train.client_indices(k)], train.y[train.client_indices(k)])
-            for k in ids}
+    out = {}
+    for k in ids:
+        test = None
+        if data.test_clients is not None:
+            own = data.test_clients == k
+            test = (data.x_test[own], data.y_test[own])
+        out[k] = (train.x[train.client_indices(k)], train.y[train.client_indices(k)], test)
+    return out
 
 
 def _setup(config: Config, out: Path, num_clients: int) -> Path:
@@ -183,6 +191,9 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
         Registry.load(str(setup / "registry.json")), address=f"{net.host}:{net.port}",
         resume=resume, evaluate=evaluate,
         simulator_seed=config.seed if net.server_randomness == "seed" else None, **extra)
+    if config.per_client_eval:  # the clients evaluate on their own test data
+        server.client_eval = lambda done: not done % config.eval_every or done == rounds
+        server.client_eval_target = config.target_accuracy
     running.append(server)
     started = time.perf_counter()
     port = server.start()

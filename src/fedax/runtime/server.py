@@ -130,7 +130,7 @@ class Server(HoldoutPhase, ServerCheckpoints):
                                     task.batch, config.max_examples)
         self._step = jax.jit(lambda s, r, k, m, key: server_step(self.pieces, s, r, k, m, key,
                                                                  self._encodes))
-        self._setup_learned(built, self._encodes)  # server.lr: learned
+        self._setup_phases(built, self._encodes)  # holdout (server.lr: learned), evaluate
         self._set_key(key)
         self._lock = threading.Condition()
         self._news = threading.Condition()  # a round opened or closed, or the run ended
@@ -338,6 +338,8 @@ class Server(HoldoutPhase, ServerCheckpoints):
                 if finite(state):
                     if self.learned is not None:  # the hypergradient's own phase
                         metrics.update(self._holdout(t, state))
+                    if self.client_eval is not None and self.client_eval(t + 1):
+                        metrics.update(self._client_eval(t, state))
                     self._install(r, state, accepted, record, metrics)
                     return True
                 status = "non-finite"  # the old state stays; the round is tried again
