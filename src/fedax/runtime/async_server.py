@@ -74,10 +74,12 @@ class Trip:
 class AsyncServer(Server):
     """A FedBuff server (see the module docstring): ``Server``'s transport, gate, checks
     and checkpoints with trips instead of rounds; ``config.rounds`` counts server steps
-    (model versions)."""
+    (model versions). ``start_with``: alive clients to wait for before the first trip (a
+    rehearsal's local clients, so that early ones do not run the whole stream)."""
 
-    def __init__(self, *args, buffered: Buffered, **kwargs):
+    def __init__(self, *args, buffered: Buffered, start_with: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
+        self._start_with = start_with  # alive clients before the first trip
         if self.learned is not None:
             raise ValueError("a learned server learning rate differentiates a synchronous "
                              "round; not with an asynchronous server")
@@ -93,6 +95,8 @@ class AsyncServer(Server):
 
     def _run_rounds(self) -> None:
         try:
+            if self._wait_alive(self._start_with) is None:
+                return
             started = None  # the first version's time counts from the first trip
             while self.rounds_done < self.config.rounds and not self._stop.is_set():
                 self._dispatch()
@@ -222,6 +226,8 @@ class AsyncServer(Server):
         del r
         with self._lock:
             trip = self._trips.get(cid)
+        if trip is None and 0 <= t < self._next_trip:  # a trip dropped or the stream ended
+            return wire.SubmitReply(accepted=False, reason="late: the trip has ended")
         if trip is None or (t, attempt, version) != (trip.trip, 0, trip.model_version) \
                 or not secrets.compare_digest(nonce.encode(), trip.nonce.encode()):
             return self._reject(None, cid, "wrong-round", f"no trip {t} of client {cid} is "
@@ -232,7 +238,9 @@ class AsyncServer(Server):
         del r
         with self._lock:
             trip = self._trips.get(cid)
-        if trip is None or env.client_id != cid or \
+        if trip is None:  # ended while its body was read
+            return wire.SubmitReply(accepted=False, reason="late: the trip has ended")
+        if env.client_id != cid or \
                 (env.round, env.attempt, env.model_version, env.nonce) != header:
             return self._reject(None, cid, "sender", "the report's envelope does not match "
                                 "its call and trip")

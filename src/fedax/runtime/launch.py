@@ -191,6 +191,8 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
         Registry.load(str(setup / "registry.json")), address=f"{net.host}:{net.port}",
         resume=resume, evaluate=evaluate,
         simulator_seed=config.seed if net.server_randomness == "seed" else None, **extra)
+    if net.asynchronous and net.local_clients:  # trips start once every client is up
+        extra["start_with"] = train.num_clients
     if config.per_client_eval:  # the clients evaluate on their own test data
         server.client_eval = lambda done: not done % config.eval_every or done == rounds
         server.client_eval_target = config.target_accuracy
@@ -203,11 +205,14 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
     procs = _spawn_clients(config, setup, out, port, train.num_clients)
     try:
         _wait(server, procs, out, progress, rounds)
+        _linger(procs, 5.0)  # polling clients hear "done" and leave by themselves
     finally:
         server.stop()
-        for proc in procs:
+        for proc in procs:  # the rest (e.g. reconnecting to the stopped server) are ended
+            if proc.poll() is None:
+                proc.terminate()
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
@@ -224,6 +229,13 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
     label = label or config.algorithm
     write_outputs(out, summary, writer.records, label, title or label or out.name)
     return summary
+
+
+def _linger(procs: list[subprocess.Popen], seconds: float) -> None:
+    """Up to ``seconds`` for the client processes to end by themselves."""
+    end = time.monotonic() + seconds
+    while procs and any(p.poll() is None for p in procs) and time.monotonic() < end:
+        time.sleep(0.1)
 
 
 def _wait(server: Server, procs: list[subprocess.Popen], out: Path, progress: bool,

@@ -138,7 +138,16 @@ class Task:
             raise ValueError(f"not a valid task: {err}") from None
 
     def sha256(self) -> str:
-        return hashlib.sha256(self.to_json().encode()).hexdigest()
+        """The task's identity (checkpoints and client state are tied to it): its JSON
+        without the schedule a resumed run may change (``rounds``, evaluation and
+        checkpoint cadence, the target), as the simulator's resume allows; with privacy,
+        ``rounds`` stays in (a budget's z depends on it)."""
+        data = json.loads(self.to_json())
+        schedule = {"eval_every", "checkpoint_every", "target_accuracy", "stop_at_target"}
+        if self.config.get("privacy") is None:
+            schedule.add("rounds")
+        data["config"] = {k: v for k, v in data["config"].items() if k not in schedule}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     # The config's numbers the server's checks use (``fedax.runtime.checks``).
     @property
