@@ -385,3 +385,91 @@ def test_the_async_server_resumes_mid_stream(tmp_path):
     assert resumed[:3] == first  # the checkpoint's history, unchanged
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["rounds_run"] == 5 and summary["status"] == "ok"
+
+
+def _tiny_server(tmp_path, server_class=None, **kwargs):
+    from fedax.runtime import Registry, Server, ServerConfig, ServerTLS, make_dev_pki
+
+    pki = make_dev_pki(tmp_path, 4)
+    config = {"seed": 1, "rounds": 2, "dataset": "synthetic", "model": "logistic",
+              "algorithm": "fedavg", "client_fraction": 1.0, "local_epochs": 1,
+              "batch_size": 10, "client_lr": 0.1, "num_clients": 4}
+    task = Task(config, 4, [3], {"input_dim": 3, "num_classes": 2})
+    return (server_class or Server)(task, ServerConfig(rounds=2, cohort_size=3),
+                                    ServerTLS(pki["cert"], pki["key"]),
+                                    Registry.load(pki["registry"]), **kwargs)
+
+
+@pytest.mark.parametrize("phase, values, problem", [
+    ("evaluate", (5.0, 3.2, 10.0), None),
+    ("evaluate", (11.0, 3.2, 10.0), "not 0 <= correct <= count"),
+    ("evaluate", (5.0, -1.0, 10.0), "loss >= 0"),
+    ("evaluate", (5.0, 3.2, 10.5), "not 0 <= correct <= count"),
+    ("evaluate", (5.0, float("nan"), 10.0), "NaN or infinity"),
+    ("holdout", (2.3, 0.1, 40.0), None),
+    ("holdout", (2.3, 0.1, -1.0), "is not an integer in"),
+    ("holdout", (2.3, 0.1, 2e6), "is not an integer in"),
+])
+def test_holdout_and_evaluate_reports_are_checked(tmp_path, phase, values, problem):
+    """A holdout or evaluate client's report is checked as any report: exact arrays,
+    finite, and its own bounds (n_k an integer in [0, max_examples]; 0 <= correct <=
+    count an integer, loss >= 0)."""
+    from types import SimpleNamespace
+
+    from fedax.runtime import wire
+    from fedax.runtime.holdout import EvalReport, HoldoutReport
+
+    server = _tiny_server(tmp_path)
+    kind = EvalReport if phase == "evaluate" else HoldoutReport
+    env = wire.Envelope(tensors=wire.encode_tree(kind(*map(np.float32, values))))
+    _, found = server._checked_report(SimpleNamespace(phase=phase, payload={}), env)
+    if problem is None:
+        assert found is None
+    else:
+        assert found is not None and problem in found[1], found
+
+
+def test_an_async_report_must_match_its_trip(tmp_path):
+    """The asynchronous server refuses, before reading a body, a report that names no trip
+    in flight for its client, or another trip's version or nonce; a report of a trip that
+    has ended is late, not a violation."""
+    from fedax.runtime.async_server import AsyncServer, Buffered, Trip
+    from fedax.simulation.asynchronous import Staleness
+
+    server = _tiny_server(tmp_path, AsyncServer,
+                          buffered=Buffered(2, 3, Staleness("constant"), max_staleness=1))
+    server._trips[1] = Trip(0, 0, "n" * 32, "v1", b"", {}, np.zeros(2, np.uint32), 1e18)
+    server._next_trip = 1
+    assert server._check_header(None, 1, 0, 0, "v1", "n" * 32) is None
+    for header in ((0, 0, "v2", "n" * 32), (0, 0, "v1", "m" * 32), (5, 0, "v1", "n" * 32)):
+        reply = server._check_header(None, 1, *header)
+        assert not reply.accepted and reply.reason.startswith("wrong-round"), header
+    reply = server._check_header(None, 2, 0, 0, "v1", "n" * 32)  # client 2's trip ended
+    assert not reply.accepted and reply.reason.startswith("late")
+    assert [e["kind"] for e in server.rejections] == ["wrong-round"] * 3
+
+
+def test_a_report_staler_than_max_staleness_is_refused_and_never_buffered(tmp_path):
+    import jax
+
+    from fedax.runtime import wire
+    from fedax.runtime.async_server import AsyncServer, Buffered, Trip
+    from fedax.simulation.asynchronous import Staleness
+
+    server = _tiny_server(tmp_path, AsyncServer,
+                          buffered=Buffered(2, 3, Staleness("constant"), max_staleness=1))
+    report = jax.tree.map(lambda a: np.ones(a.shape, a.dtype), server.report_template)
+    report = report._replace(weight=np.float32(5), num_examples=np.float32(5),
+                             stats={"local_steps": np.float32(1),
+                                    "train_loss": np.float32(1)})
+    for cid, version in ((1, 2), (2, 0)):  # staleness 1 (kept), 3 (> 1: refused)
+        server._trips[cid] = Trip(cid, version, "n" * 32, "v", b"", {},
+                                  np.zeros(2, np.uint32), 1e18)
+    server.rounds_done = 3
+    for cid in (1, 2):
+        env = wire.Envelope(client_id=cid, round=cid, attempt=0, model_version="v",
+                            nonce="n" * 32, tensors=wire.encode_tree(report))
+        reply = server._check_report(None, cid, (cid, 0, "v", "n" * 32), env)
+        assert reply.accepted == (cid == 1), reply.reason
+    assert [(c, tau) for c, _, tau in server._buffer] == [(1, 1)]
+    assert [e["kind"] for e in server.rejections] == ["stale"]
