@@ -258,9 +258,56 @@ def test_compressed_uplinks_on_the_wire(tmp_path):
     assert record["compression_ratio"] == pytest.approx(7.8, abs=0.05)
 
 
-def test_compression_under_privacy_is_refused_over_the_network():
-    with pytest.raises(ConfigError, match="config key 'compression'.*execution.mode network"):
-        load_config(CONFIG, DP + NETWORK + ["compression.scheme=float16"])
+@pytest.mark.serial
+def test_dp_over_a_compressed_uplink_equals_the_simulator(tmp_path):
+    """DP-FedAvg over 16-bit codes: the clients clip, weigh and encode; the server decodes,
+    clips each decoded message to S again, sets every weight to 1, sums and adds the noise
+    from its key: with the simulator's randomness, the simulator's DP run."""
+    sets = SHORT + DP + ["compression.scheme=float16"]
+    sync = run(sets, tmp_path / "sync")
+    network = run(sets + NETWORK, tmp_path / "network")
+    assert_close_records(sync, network, ("train_loss", "test_loss"), 1e-5)
+    assert [r["epsilon"] for r in network] == [r["epsilon"] for r in sync]
+    # (a last-bit difference in an update can round to the next float16: 1.5e-6 seen)
+    assert_same_model(final_params(tmp_path / "sync"), final_params(tmp_path / "network"),
+                      atol=1e-5)
+
+
+def test_a_dp_reports_weight_is_one_whatever_it_claims():
+    """Under DP over a compressed uplink the server sets each report's weight to 1 (0 for
+    none) before the sum, as DP-FedAvg's client stage does: a claimed weight of 1e6 moves
+    the model no more than 1."""
+    import jax
+
+    from fedax.runtime.task import Report, build, server_state, server_step
+
+    config = load_config(CONFIG, DP + ["compression.scheme=float16", "privacy.clip=10.0"])
+    task = Task.from_config(config, num_clients=100, input_shape=[28, 28, 1],
+                            model_options={})
+    built = build(task)
+    state = server_state(built.pieces, built.params)
+    rng = np.random.default_rng(0)
+    encoded = []  # three clients' float16 codes and stats, from the aggregator's client stage
+    for _ in range(3):
+        update = jax.tree.map(lambda a: rng.normal(size=a.shape).astype(a.dtype) * 0.01,
+                              built.params)
+        out = built.pieces.aggregator.client(update, np.float32(1), state.aggregator,
+                                             jax.random.key(1))
+        encoded.append((out[0], out[2]))
+    codes, stage = jax.tree.map(lambda *xs: np.stack(xs), *encoded)
+
+    def step(weights):
+        reports = Report(codes, np.asarray(weights, np.float32),
+                         {"local_steps": np.ones(3, np.float32),
+                          "train_loss": np.ones(3, np.float32)}, (),
+                         np.full(3, 600.0, np.float32), stage)
+        new, _ = server_step(built.pieces, state, reports, np.zeros((3, 2), np.uint32),
+                             np.ones(3, bool), jax.random.key(0), True, True)
+        return built.pieces.server_params(new.server)
+
+    honest, claimed = step([1.0, 1.0, 1.0]), step([1e6, 1.0, 1.0])
+    for a, b in zip(jax.tree.leaves(honest), jax.tree.leaves(claimed), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.serial

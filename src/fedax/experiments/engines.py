@@ -175,7 +175,7 @@ class NetworkConfig(_Section):
 def network_combination(config: Any) -> tuple[str, str] | None:
     """Why ``config`` cannot run with ``execution.mode: network``, as ``(key, message)``,
     or None: what only a simulation has (attacks, simulated stragglers, devices), what the
-    runtime does not carry yet (the learned η or compression under privacy),
+    runtime does not carry yet (the learned η under privacy),
     and what its accountant would not cover (Poisson sampling, over-selection under DP)."""
     if config.execution.mode != "network":
         return None
@@ -198,9 +198,6 @@ def network_combination(config: Any) -> tuple[str, str] | None:
                           "deadlines and drop-outs are real (network.deadline_s)"),
            "privacy.sampling": (private and config.privacy.sampling == "poisson", "the "
                                 "server selects fixed-size cohorts"),
-           "compression": (private and config.compression is not None, "a compressed "
-                           "uplink is encoded on the client, and the server cannot yet "
-                           "re-check DP's per-client weight bound on encoded reports"),
            "network.over_selection": (private and config.network.over_selection > 0,
                                       "with over-selection the first reports to arrive are "
                                       "kept, which is not the uniform sampling the accountant "

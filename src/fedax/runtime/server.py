@@ -128,8 +128,10 @@ class Server(HoldoutPhase, ServerCheckpoints):
         self._report_treedef = jax.tree.structure(report)
         self._checks = ReportChecks(task.algorithm, task.client_lr, task.local_epochs,
                                     task.batch, config.max_examples)
+        # DP over a compressed uplink: the clients ran the clip and weight; re-done here
+        unit = self._encodes and task.config.get("privacy") is not None
         self._step = jax.jit(lambda s, r, k, m, key: server_step(self.pieces, s, r, k, m, key,
-                                                                 self._encodes))
+                                                                 self._encodes, unit))
         self._setup_phases(built, self._encodes)  # holdout (server.lr: learned), evaluate
         self._set_key(key)
         self._lock = threading.Condition()

@@ -296,15 +296,22 @@ def encodes(task: Task) -> bool:
 
 def server_step(pieces: RoundPieces, state: RoundState, reports: Report,
                 client_keys: jax.Array, real: jax.Array, key: jax.Array,
-                staged: bool = False) -> tuple[RoundState, dict[str, jax.Array]]:
+                staged: bool = False,
+                unit_weights: bool = False) -> tuple[RoundState, dict[str, jax.Array]]:
     """The server's half of round ``state.round`` on the accepted reports (client-placed:
     leading axis C; padding rows, ``real`` False, have weight 0 and zeros), with the
     finite and bounds checks done per report before this call: ``reweigh``, then
     ``fedax.algorithms.server_half``, the function the simulator's round runs, with the
     aggregator's client stage on each report and its key ``client_keys[i]`` (raw key
     data, the i-th selected client's of ``round_keys``); ``staged``: the clients ran it
-    (``encodes``), and their stage stats are summed here."""
+    (``encodes``), and their stage stats are summed here. ``unit_weights`` (DP over a
+    compressed uplink): each report's weight is set again to 1 (0 if it reported none),
+    as DP-FedAvg's client stage sets it, so a client's contribution stays within the
+    sensitivity whatever it claims (the decoded message is clipped again by the
+    aggregator's reduction)."""
     weights = reports.weight
+    if unit_weights:
+        weights = (weights > 0).astype(weights.dtype)
     if pieces.reweigh is not None:  # before the aggregator, as in ``cohort_round``
         weights = pieces.reweigh(weights, reports.stats)
     staged_stats = None
