@@ -46,8 +46,21 @@ def _quiet_grpc(args) -> None:
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler on whatever ``sys.stderr`` is when a record is written (a command run
+    in-process, as the tests do, must not keep a stream that is closed later)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        del value
+
+
 def _logging(name: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(logging.Formatter(f"fedax {name}: %(asctime)s %(message)s",
                                            "%H:%M:%S"))
     root = logging.getLogger("fedax.runtime")
