@@ -93,33 +93,28 @@ class AsyncServer(Server):
 
     # ------------------------------------------------------------------ the stream
 
-    def _run_rounds(self) -> None:
-        try:
-            if self._wait_alive(self._start_with) is None:
-                return
-            started = None  # the first version's time counts from the first trip
-            while self.rounds_done < self.config.rounds and not self._stop.is_set():
-                self._dispatch()
-                if started is None and self._next_trip:
-                    started = time.monotonic()
-                with self._lock:
-                    self._expire()
-                    if len(self._buffer) < self.buffered.buffer_size:
-                        self._lock.wait(0.05)
-                        continue
-                    batch = self._buffer[:self.buffered.buffer_size]
-                    del self._buffer[:self.buffered.buffer_size]
-                self._apply(batch, started)
+    def _schedule(self) -> bool:
+        """The stream: trips dispatched, expired and applied K at a time until every
+        server step is done (``Server._run_rounds`` runs it)."""
+        if self._wait_alive(self._start_with) is None:
+            return False
+        started = None  # the first version's time counts from the first trip
+        while self.rounds_done < self.config.rounds and not self._stop.is_set():
+            self._dispatch()
+            if started is None and self._next_trip:
                 started = time.monotonic()
             with self._lock:
-                self._done = self.rounds_done >= self.config.rounds
-                self._trips.clear()
-                self._lock.notify_all()
-            self._announce()
-        except BaseException as err:  # surfaced by wait()
-            self._error = err
-            log.error("the stream stopped: %s", err)
-            self._announce()
+                self._expire()
+                if len(self._buffer) < self.buffered.buffer_size:
+                    self._lock.wait(0.05)
+                    continue
+                batch = self._buffer[:self.buffered.buffer_size]
+                del self._buffer[:self.buffered.buffer_size]
+            self._apply(batch, started)
+            started = time.monotonic()
+        with self._lock:
+            self._trips.clear()  # a trip still out now is late
+        return True
 
     def _version_sent(self) -> tuple[int, bytes, str, Any]:
         """The current version's shared tensors (made once per version)."""
@@ -168,11 +163,7 @@ class AsyncServer(Server):
         elif pieces.aggregator.client is not None:
             values, weights, stats = client_stage(pieces.aggregator, values, weights,
                                                   state.aggregator, keys)
-        scale = self.buffered.staleness.weights(taus)
-        if self.buffered.staleness.kind != "constant":
-            values = jax.tree.map(
-                lambda v: v * scale.reshape(scale.shape + (1,) * (v.ndim - 1)).astype(v.dtype),
-                values)
+        values, scale = self.buffered.staleness.scale(values, taus)
         state, metrics = server_half(pieces, state, values, weights, reports.stats,
                                      reports.sums, reports.num_examples, key, staged=True,
                                      staged_stats=stats)

@@ -312,10 +312,11 @@ class Server(HoldoutPhase, ServerCheckpoints):
         return state, {k: float(v) for k, v in metrics.items()}
 
     def _run_rounds(self) -> None:
+        """The server's thread: ``_schedule`` until every round is done (or a stop), then
+        ``done`` for the clients; an error is surfaced by ``wait``."""
         try:
-            while self.rounds_done < self.config.rounds and not self._stop.is_set():
-                if not self._one_round(self.rounds_done):
-                    return
+            if not self._schedule():
+                return
             with self._lock:
                 self._done = self.rounds_done >= self.config.rounds
                 self._round = None
@@ -325,6 +326,13 @@ class Server(HoldoutPhase, ServerCheckpoints):
             self._error = err
             log.error("rounds stopped: %s", err)
             self._announce()
+
+    def _schedule(self) -> bool:
+        """The rounds, one after another; False if the server stopped first."""
+        while self.rounds_done < self.config.rounds and not self._stop.is_set():
+            if not self._one_round(self.rounds_done):
+                return False
+        return True
 
     def _one_round(self, t: int) -> bool:
         need = self.config.min_reports or self.config.cohort_size

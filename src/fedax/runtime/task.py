@@ -114,8 +114,13 @@ class Task:
                    input_dtype, list(label_shape or []))
 
     def spec(self) -> Config:
-        """The validated ``Config`` (with the default engine sections)."""
-        return validate_config(dict(self.config))
+        """The validated ``Config`` (with the default engine sections), validated once:
+        the task is frozen, and clients read its numbers every round."""
+        cached = self.__dict__.get("_spec")
+        if cached is None:
+            cached = validate_config(dict(self.config))
+            object.__setattr__(self, "_spec", cached)
+        return cached
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -156,6 +157,16 @@ class Staleness(NamedTuple):
         if self.kind == "polynomial":
             return jnp.power(1.0 + t, jnp.float32(-self.exponent))
         return jnp.where(tau <= self.cutoff, jnp.float32(1.0), jnp.float32(self.value_after))
+
+    def scale(self, values: Any, tau: Any) -> tuple[Any, jnp.ndarray]:
+        """``values`` (leaves ``[K, ...]``) each times its s(τ_k), and s(τ) ``[K]``; a
+        constant weighting leaves the values as they are (bit for bit)."""
+        weights = self.weights(tau)
+        if self.kind == "constant":
+            return values, weights
+        return jax.tree.map(
+            lambda v: v * weights.reshape(weights.shape + (1,) * (v.ndim - 1)).astype(v.dtype),
+            values), weights
 
 
 def fedbuff_staleness() -> Staleness:

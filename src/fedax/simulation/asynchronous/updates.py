@@ -158,14 +158,10 @@ def update_functions(pieces: RoundPieces, source: PartitionSource,
         values = jax.tree.map(take, pool.value)
         weights = take(pool.weight)
         num_examples = take(pool.num_examples)
-        scale = config.staleness.weights(taus)
         if config.mixing:  # w_current − w_local
             current = fed.broadcast(pieces.server_params(state.server), k)
             values = jax.tree.map(jnp.subtract, current, values)
-        if config.staleness.kind != "constant":
-            values = jax.tree.map(
-                lambda v: v * scale.reshape((k,) + (1,) * (v.ndim - 1)).astype(v.dtype),
-                values)
+        values, scale = config.staleness.scale(values, taus)
         stats = None
         if aggregator.client is not None:  # ran at each update's computation (``compute``)
             stats = jax.tree.map(take, pool.aggregator_stats)

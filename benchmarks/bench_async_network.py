@@ -19,8 +19,8 @@ trip: process start-up and compilation are left out) and server steps to the tar
 accuracy, the final accuracy, and for async the staleness. Writes ``results.json`` and
 ``report.md`` into ``--out``.
 
-Usage: python experiments/async_network.py [--rounds 12] [--target 0.9] [--delay-s 2]
-    [--out experiments/results/async-network]
+Usage: python benchmarks/bench_async_network.py [--rounds 12] [--target 0.9] [--delay-s 2]
+    [--out benchmarks/results/async-network]
 Runs alone (a benchmark): 20 client processes share this machine's cores.
 """
 
@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
@@ -116,7 +117,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--delay-s", type=float, default=2.0)
-    parser.add_argument("--out", default="experiments/results/async-network")
+    parser.add_argument("--out", default="benchmarks/results/async-network")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,7 +162,7 @@ def main() -> None:
     lines = [
         "# Synchronous rounds against FedBuff over a real network, two client speeds",
         "",
-        f"`python experiments/async_network.py --rounds {args.rounds} --target "
+        f"`python benchmarks/bench_async_network.py --rounds {args.rounds} --target "
         f"{args.target} --delay-s {args.delay_s}` on {os.cpu_count()} CPU cores: "
         f"{CLIENTS} `fedax client` processes on loopback (TLS, tokens), the odd ids waiting "
         f"{args.delay_s:g} s after each task; MNIST 2NN IID, E = 1, B = 50, client lr 0.1. "
@@ -185,6 +186,7 @@ def main() -> None:
     ]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    shutil.rmtree(work, ignore_errors=True)  # the runs' directories (the figures are out)
 
 
 if __name__ == "__main__":
