@@ -119,9 +119,10 @@ def test_reverse_derivative_program_sums_are_private(data):
 @pytest.mark.parametrize("mode", ["reverse", "forward"])
 def test_wrapper_releases_nothing_unprivatized_beyond_the_round(data, mode):
     """The whole program of a private learned-server-lr round (forward pass, holdout, the
-    derivative) has exactly the unprivatized sums of the DP round itself (its metrics and
-    dp_gaussian's own sum, which the audit does not recognize); every holdout sum, value
-    and derivative, is private. The plain wrapper adds unprivatized holdout sums."""
+    derivative) has exactly the unprivatized sums of the DP round itself (its metrics);
+    dp_gaussian's own sum (clip and noise are the audit's primitives) and every holdout
+    sum, value and derivative, are private. The plain wrapper adds unprivatized holdout
+    sums."""
     params, cohort, _ = data
     alg = dp_fedavg(z=1.0)
     state = alg.init(params, jax.random.key(0))
@@ -132,9 +133,11 @@ def test_wrapper_releases_nothing_unprivatized_beyond_the_round(data, mode):
                           params, cohort)
     assert shapes(unprivatized_sums(private, derivative_only=False)) == round_only
     released = [s for s in audit_sums(private) if s.private]
-    # reverse: the loss value and the gradient (two leaves); forward: value and tangent
+    # the round's DP sum (two leaves), then the holdout's: reverse: the loss value and the
+    # gradient (two leaves); forward: value and tangent
     expected = [(C,), (C, K), (C, D, K)] if mode == "reverse" else [(C,), (C,)]
-    assert shapes(released) == expected
+    assert sorted(shapes(released)) == sorted([(C, K), (C, D, K)] + expected)
+    assert [s.kind for s in audit_sums(inner) if s.shape in ((C, K), (C, D, K))] == ["dp"] * 2
     plain = round_jaxpr(learned_server_lr_in_state(alg, 1.0, loss_fn, mode=mode), params, cohort)
     assert len(unprivatized_sums(plain, derivative_only=False)) > len(round_only)
 

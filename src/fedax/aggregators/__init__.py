@@ -71,3 +71,9 @@ from fedax.aggregators.compression import (  # noqa: E402
 
 __all__ += ["SCHEMES", "Compressor", "cast", "compressed", "dp_compressed", "make_compressor",
             "message_bytes", "qsgd", "rotation", "roundtrip", "top_k"]
+
+# Secure aggregation: the server learns only the sum (SecAgg+); with distributed DP the
+# clients noise their own integers, so no party sees an unnoised sum.
+from fedax.aggregators.secure import secure_mean, secure_total  # noqa: E402
+
+__all__ += ["secure_mean", "secure_total"]

@@ -50,12 +50,16 @@ class Aggregator(NamedTuple):
       client: ``client(value, weight, state, key) -> (value, weight, stats)`` or None.
       reduce: ``reduce(values, weights, state, key) -> (value, metrics)`` or None.
       server: ``server(value, stats, state, key) -> (value, state, metrics)`` or None.
+      secure: a ``fedax.federated.SecureSum`` when ``reduce`` is a secure sum of the client
+        stage's values (``fedax.aggregators.secure``): a networked runtime then runs the
+        SecAgg+ protocol for it, and the server never holds one client's value.
     """
 
     init: Callable[[Any], Any]
     client: ClientFn | None = None
     reduce: ReduceFn | None = None
     server: ServerFn | None = None
+    secure: Any = None
 
 
 def no_state(template: Any) -> tuple:
@@ -217,4 +221,5 @@ def chain(*parts: Aggregator) -> Aggregator:
             metrics = _merge(metrics, more)
         return value, tuple(state), metrics
 
-    return Aggregator(init, client if clients else None, reduce, server if servers else None)
+    return Aggregator(init, client if clients else None, reduce, server if servers else None,
+                      parts[r].secure)

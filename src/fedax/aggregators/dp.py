@@ -50,8 +50,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedax import federated as fed
 from fedax.aggregators.base import Aggregator, no_state
-from fedax.aggregators.mean import total
+from fedax.federated import SecureSum, dp_clip, dp_noise
 
 Weighting = Literal["uniform", "capped"]
 
@@ -140,6 +141,7 @@ def dp_gaussian(
     per_layer: bool = False,
     weighting: Weighting = "uniform",
     example_cap: float | None = None,
+    secure: SecureSum | int | None = None,
 ) -> Aggregator:
     """DP-FedAvg's Gaussian aggregator with a fixed denominator (see the module docstring).
 
@@ -153,6 +155,10 @@ def dp_gaussian(
       weighting: ``"uniform"`` (w_k = 1, TFF's ``gaussian_fixed``) or ``"capped"``
         (w_k = min(n_k/ŵ, 1), McMahan et al.), n_k being the incoming weight.
       example_cap: ŵ > 0, needed by (and only by) ``weighting="capped"``.
+      secure: sum through secure aggregation (``fedax.federated.secure_sum``): a
+        ``SecureSum``, or its number of bits with the clip range [−S, S] per coordinate
+        (no clipped coordinate exceeds S). The server then sees only the sum (and noises
+        it); distributed DP (``distributed_dp``) keeps the sum noised even from it.
 
     Returns:
       a stateless, complete ``Aggregator``; metrics ``clipped_clients``, ``dp_noise_stddev``.
@@ -182,28 +188,40 @@ def dp_gaussian(
     def client(value, weight, state, key):
         del state, key
         if per_layer:
-            leaves, treedef = jax.tree.flatten(value)
-            clipped, bits = [], []
-            for leaf, bound in zip(leaves, per_layer_clips(value, clip), strict=True):
-                (c,), norm = _clip_global([leaf], bound)
-                clipped.append(c)
-                bits.append(norm > bound)
-            value = jax.tree.unflatten(treedef, clipped)
+            norms = [optax.tree.norm(leaf) for leaf in jax.tree.leaves(value)]
+            bits = [n > b for n, b in zip(norms, per_layer_clips(value, clip), strict=True)]
             was_clipped = jnp.any(jnp.stack(bits)) if bits else jnp.asarray(False)
         else:
-            value, norm = _clip_global(value, clip)
-            was_clipped = norm > clip
+            was_clipped = optax.tree.norm(value) > clip
+        w = contribution_weight(weight)
+        # the clip (a marker primitive the audit recognises) applies w ≤ 1 too, so what
+        # leaves the client already moves the sum by at most S
+        value = dp_clip(value, clip, client_placed=False, weights=w, per_layer=per_layer)
         counted = jnp.logical_and(was_clipped, weight > 0)
-        return value, contribution_weight(weight), {"clipped": counted.astype(jnp.int32)}
+        return value, w, {"clipped": counted.astype(jnp.int32)}
 
-    sum_reduce = total().reduce
+    if secure is None:
+        def sum_reduce(values, weights, state, key):
+            del weights, state, key  # weighted (and zeroed where w = 0) by the clip
+            return fed.sum(values), {}
+    else:
+        spec = secure if isinstance(secure, SecureSum) else SecureSum(clip=clip, bits=secure)
+
+        def sum_reduce(values, weights, state, key):
+            del weights, state
+            return fed.secure_sum(values, spec, key), {}
 
     def server(value, stats, state, key):
         if z > 0:
-            value = _add_noise(key, value, z * clip, "dp_gaussian")
+            if key is None:
+                raise ValueError("dp_gaussian adds noise and needs a key: run the aggregator "
+                                 "with a round key (aggregate(..., key) / alg.round(state, "
+                                 "cohort, key)), not None.")
+            value = dp_noise(value, z * clip, key)
         value = jax.tree.map(lambda v: v / jnp.asarray(denominator, v.dtype), value)
         metrics = {"clipped_clients": stats["clipped"],
                    "dp_noise_stddev": jnp.asarray(z * clip / denominator, jnp.float32)}
         return value, state, metrics
 
-    return Aggregator(no_state, client=client, reduce=sum_reduce, server=server)
+    return Aggregator(no_state, client=client, reduce=sum_reduce, server=server,
+                      secure=None if secure is None else spec)

@@ -212,6 +212,25 @@ class RoundPieces(NamedTuple):
 
 
 _ADVERSARY_KEY = 0x61647672  # "advr": the stream of simulated attackers' random numbers
+_PAYLOAD_KEY = 0x7061796C  # "payl": the rounding of a secure payload's transposed sum
+
+
+def place_payload(pieces: RoundPieces, server: Any, num_clients: int,
+                  key: jax.Array | None) -> Any:
+    """The payload at the clients: ``fed.broadcast``, or, when the aggregator sums through
+    secure aggregation with a clip range (``aggregator.secure``), ``fed.secure_broadcast``
+    of every float leaf with that range, so that in a derivative of the round what flows
+    back up to the server goes through a secure sum too (same value, same cost forward)."""
+    payload = pieces.payload(server)
+    spec = pieces.aggregator.secure
+    if spec is None or spec.clip is None or key is None:
+        return fed.broadcast(payload, num_clients)
+    key = jax.random.fold_in(key, _PAYLOAD_KEY)
+    leaves, treedef = jax.tree.flatten(payload)
+    placed = [fed.secure_broadcast(leaf, num_clients, spec, jax.random.fold_in(key, j))
+              if jnp.issubdtype(jnp.result_type(leaf), jnp.floating)
+              else fed.broadcast(leaf, num_clients) for j, leaf in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, placed)
 
 
 _CLIENT_TRAINING_KEY = 0x636C6B65  # "clke": the stream of the clients' own training keys
@@ -369,7 +388,7 @@ def cohort_round(
     ``rejected_clients`` (``accept_finite``).
     """
     num_clients = cohort.num_examples.shape[0]
-    at_clients = fed.broadcast(pieces.payload(state.server), num_clients)
+    at_clients = place_payload(pieces, state.server, num_clients, key)
     extra = ()
     if pieces.keyed:
         if key is None:

@@ -1,6 +1,16 @@
-"""Placement primitives and their communication cost (the lowest layer of fedax)."""
+"""Placement primitives, their communication cost and the audit of what they reveal (the
+lowest layer of fedax)."""
 
+from fedax.federated import _secure as secure
+from fedax.federated._audit import (
+    SumAudit,
+    audit_sums,
+    audit_table,
+    unprivatized_sums,
+    unsecured_sums,
+)
 from fedax.federated._comm import CommCost, comm_cost
+from fedax.federated._dp import dp_clip, dp_noise
 from fedax.federated._primitives import (
     CLIENTS_AXIS,
     ClientMapper,
@@ -18,23 +28,47 @@ from fedax.federated._primitives import (
     sum_p,
     weighted_mean,
 )
+from fedax.federated._secure import (
+    SecureSum,
+    modular_sum,
+    modular_sum_p,
+    secure_broadcast,
+    secure_broadcast_p,
+    secure_sum,
+    secure_sum_p,
+)
 
 __all__ = [
     "CLIENTS_AXIS",
+    "ClientMapper",
     "CommCost",
+    "SecureSum",
+    "SumAudit",
+    "audit_sums",
+    "audit_table",
     "broadcast",
     "broadcast_p",
     "collect",
     "collect_p",
     "comm_cost",
+    "current_map_strategy",
     "distribute",
     "distribute_p",
-    "ClientMapper",
-    "current_map_strategy",
+    "dp_clip",
+    "dp_noise",
     "map_clients",
     "map_strategy",
     "mean",
+    "modular_sum",
+    "modular_sum_p",
+    "secure",
+    "secure_broadcast",
+    "secure_broadcast_p",
+    "secure_sum",
+    "secure_sum_p",
     "sum",
     "sum_p",
+    "unprivatized_sums",
+    "unsecured_sums",
     "weighted_mean",
 ]

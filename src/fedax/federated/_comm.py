@@ -21,6 +21,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from fedax.federated._primitives import broadcast_p, collect_p, distribute_p, sum_p
+from fedax.federated._secure import modular_sum_p, secure_broadcast_p, secure_sum_p
 
 
 class CommCost(NamedTuple):
@@ -75,8 +76,12 @@ def _jaxpr_cost(jaxpr) -> CommCost:
         if prim is sum_p or prim is collect_p:
             total += CommCost(0, _nbytes(eqn.invars[0].aval), 0, 1)
             continue
-        if prim is distribute_p:
+        if prim is distribute_p or prim is secure_broadcast_p:
             total += CommCost(_nbytes(eqn.outvars[0].aval), 0, 1, 0)
+            continue
+        if prim is secure_sum_p or prim is modular_sum_p:  # b bits a coordinate go up
+            count = int(np.prod(eqn.invars[0].aval.shape, dtype=np.int64))
+            total += CommCost(0, -(-count * eqn.params["bits"] // 8), 0, 1)
             continue
         name = prim.name
         if name == "cond":

@@ -18,6 +18,7 @@ from fedax.hyper.private_sums import (
     privatize_payload,
     with_private_payload,
 )
+from fedax.hyper.secure import secure_loss
 from fedax.hyper.server_lr import learned_server_lr, learned_server_lr_in_state
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "private_federated_loss",
     "private_learned_server_lr",
     "private_sum",
+    "secure_loss",
     "privatize_payload",
     "soft_error",
     "unprivatized_sums",

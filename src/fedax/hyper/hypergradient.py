@@ -45,11 +45,14 @@ def loss_after_rounds(
     loss_fn: LossFn,
     key: jax.Array | None = None,
     remat: bool = True,
+    evaluate: Callable[[Any, CohortBatches, Any], jax.Array] | None = None,
 ) -> jax.Array:
     """Run ``T`` rounds of ``make_algorithm(hparams)`` from ``params`` (the cohorts stacked
     along a leading axis of size T) and return the federated loss on ``eval_cohort``.
     Round t's key is ``fold_in(key, t)`` (a DP aggregator must not reuse its noise across
-    rounds: the difference of two releases would reveal the difference of the sums)."""
+    rounds: the difference of two releases would reveal the difference of the sums).
+    ``evaluate(params, eval_cohort, key)`` replaces ``federated_loss`` (e.g.
+    ``fedax.hyper.secure_loss``); its key is ``fold_in(key, T)``."""
     algorithm = make_algorithm(hparams)
     state = algorithm.init(params, key)
     num_rounds = jax.tree.leaves(cohorts)[0].shape[0]
@@ -62,6 +65,9 @@ def loss_after_rounds(
 
     body = jax.checkpoint(one_round) if remat else one_round
     state, _ = jax.lax.scan(body, state, (cohorts, jnp.arange(num_rounds)))
+    if evaluate is not None:
+        eval_key = None if key is None else jax.random.fold_in(key, num_rounds)
+        return evaluate(algorithm.server_params(state), eval_cohort, eval_key)
     return federated_loss(loss_fn, algorithm.server_params(state), eval_cohort)
 
 
@@ -76,6 +82,7 @@ def hypergradient(
     mode: Mode = "reverse",
     key: jax.Array | None = None,
     remat: bool = True,
+    evaluate: Callable[[Any, CohortBatches, Any], jax.Array] | None = None,
 ) -> tuple[jax.Array, Any]:
     """``(L(h), dL/dh)`` for the loss after ``T`` rounds, in forward or reverse mode.
 
@@ -85,7 +92,7 @@ def hypergradient(
 
     def f(h):
         return loss_after_rounds(make_algorithm, h, params, cohorts, eval_cohort, loss_fn,
-                                 key, remat)
+                                 key, remat, evaluate)
 
     if mode == "reverse":
         return jax.value_and_grad(f)(hparams)

@@ -31,7 +31,7 @@ Sums transpose into broadcasts (server→client: no release). Where this happens
 * the broadcast of anything else that depends on h (aggregator state, a client-side
   hyperparameter placed with ``broadcast``). A hyperparameter that client code *closes
   over* (the client learning rate of ``fedavg``) is summed by ``vmap``'s own transpose,
-  outside the placement primitives: invisible to the audit (``fedax.hyper.audit``), and not
+  outside the placement primitives: invisible to the audit (``fedax.federated.audit``), and not
   privatizable without broadcasting it as part of the payload.
 
 *Forward mode* carries a tangent with every value: broadcasts carry tangents down (no
@@ -88,10 +88,11 @@ Keys: every release draws from its own key, split from the round key with
 (default) partitionable threefry, ``fold_in(key, i) == split(key, n)[i]``, and reusing
 noise between two releases reveals the difference of the sums exactly.
 
-Where the pieces are: the clip and the noise as primitives in ``fedax.hyper.dp_primitives``;
+Where the pieces are: the clip and the noise as primitives in ``fedax.federated``
+(``dp_clip``, ``dp_noise``);
 ``private_sum``, ``private_broadcast``, ``privatize_payload`` and ``with_private_payload``
 in ``fedax.hyper.private_sums``; the check that a derivative program sends nothing
-unprivatized (``audit_sums``, ``unprivatized_sums``) in ``fedax.hyper.audit``. This module
+unprivatized (``audit_sums``, ``unprivatized_sums``) in ``fedax.federated.audit``. This module
 holds the private holdout loss and the learned server learning rate built on them.
 """
 
@@ -110,7 +111,7 @@ from fedax.aggregators.dp import _non_negative, _positive
 from fedax.algorithms import CohortBatches, FederatedAlgorithm
 from fedax.algorithms.base import client_mean_loss
 from fedax.client import LossFn
-from fedax.hyper.dp_primitives import _clip_impl, dp_clip
+from fedax.federated._dp import _clip_impl, dp_clip
 from fedax.hyper.hypergradient import Mode
 from fedax.hyper.hypergradient_descent import HyperCohort, HyperState
 from fedax.hyper.private_sums import _check_key, private_broadcast, private_sum
@@ -187,7 +188,8 @@ def _forward_private_total(values: jax.Array, privacy: HoldoutPrivacy, value_key
     def clipped(v):
         if privacy.loss_clip is None:
             return v
-        return _clip_impl(v, clip=privacy.loss_clip, batch_ndim=1)[0]
+        return _clip_impl(v, clip=privacy.loss_clip, batch_ndim=1, bounds=None,
+                          weighted=False)[0]
 
     @jax.custom_jvp
     def total(v):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from fedax import federated as fed
 from fedax.aggregators.dp import _non_negative, _positive
 from fedax.algorithms import FederatedAlgorithm, RoundPieces, compose
-from fedax.hyper.dp_primitives import dp_clip, dp_noise
+from fedax.federated import dp_clip, dp_noise
 
 
 def _check_key(what: str, noise_multiplier: float, key) -> None:
