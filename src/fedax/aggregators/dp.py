@@ -219,8 +219,9 @@ def dp_gaussian(
                                  "cohort, key)), not None.")
             value = dp_noise(value, z * clip, key)
         value = jax.tree.map(lambda v: v / jnp.asarray(denominator, v.dtype), value)
-        metrics = {"clipped_clients": stats["clipped"],
-                   "dp_noise_stddev": jnp.asarray(z * clip / denominator, jnp.float32)}
+        metrics = {"dp_noise_stddev": jnp.asarray(z * clip / denominator, jnp.float32)}
+        if stats is not None:  # (a secure sum over the network hides the per-client bits)
+            metrics["clipped_clients"] = stats["clipped"]
         return value, state, metrics
 
     return Aggregator(no_state, client=client, reduce=sum_reduce, server=server,

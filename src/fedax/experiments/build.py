@@ -20,6 +20,7 @@ from fedax.algorithms import make as make_algorithm
 from fedax.client import Batches
 from fedax.experiments.config import Config, ConfigError, resolved_server_optimizer
 from fedax.experiments.privacy_plan import PrivacyPlan, compressor, privacy_plan
+from fedax.experiments.secure_plan import secure_aggregator
 from fedax.models import get_model, softmax_cross_entropy, with_precision
 
 
@@ -37,8 +38,10 @@ def build(config: Config, *, num_clients: int, model_kwargs: dict[str, Any],
           sequence: bool = False, client_sizes: Any = None) -> Built:
     """``config``'s algorithm for a population of ``num_clients`` on the model
     ``get_model(config.model, **model_kwargs)`` at ``config.precision``: the aggregator of
-    its privacy plan (``client_sizes``, the n_k, are needed for example-level accounting
-    only), else of its ``robust`` section, else the weighted mean."""
+    its ``secure`` section (``fedax.experiments.secure_plan``), else of its privacy plan
+    (``client_sizes``, the n_k, are needed for example-level accounting and the secure
+    mean's default largest weight), else of its ``robust`` section, else the weighted
+    mean."""
     import jax
 
     model = with_precision(get_model(config.model, **model_kwargs), config.precision)
@@ -51,10 +54,15 @@ def build(config: Config, *, num_clients: int, model_kwargs: dict[str, Any],
     else:
         plan = privacy_plan(config, num_clients, client_sizes)
         example_privacy = None if plan is None else plan.example_privacy
+    if config.secure is not None:
+        aggregator = secure_aggregator(config, client_sizes=client_sizes, plan=plan)
+    elif plan is None:
+        aggregator = robust_aggregator(config)
+    else:
+        aggregator = privacy_aggregator(config, plan)
     algorithm = build_algorithm(
         config, model.apply, sequence=sequence, num_clients=num_clients,
-        aggregator=robust_aggregator(config) if plan is None
-        else privacy_aggregator(config, plan),
+        aggregator=aggregator,
         example_privacy=example_privacy,
         holdout_privacy=None if plan is None else plan.holdout)
     return Built(algorithm, model, params, plan)

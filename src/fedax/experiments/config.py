@@ -65,6 +65,7 @@ from fedax.experiments.sections import (
     Number,
     PrivacyConfig,
     RobustConfig,
+    SecureConfig,
     ServerConfig,
     ShakespeareConfig,
     SyntheticConfig,
@@ -109,6 +110,7 @@ class Config(_Section):
     privacy: PrivacyConfig | None = None  # user-level DP (absent: none)
     compression: CompressionConfig | None = None  # compressed uplink (absent: none)
     robust: RobustConfig | None = None  # a robust aggregator (absent: the mean)
+    secure: SecureConfig | None = None  # secure aggregation (absent: the server sees updates)
     attack: AttackConfig | None = None  # simulated attackers (absent: none)
     # FedProx's stragglers: this fraction of each cohort runs U{1..E} epochs instead of E;
     # with drop_stragglers, those that ran fewer than E get weight 0 (FedAvg's treatment).
@@ -276,7 +278,9 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _private_combination(self) -> Config:
-        refused = private_combination(self)
+        from fedax.experiments.secure_plan import secure_combination
+
+        refused = private_combination(self) or secure_combination(self)
         if refused is not None:
             raise _KeyedError(*refused)
         return self
@@ -457,7 +461,7 @@ def with_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[st
 def config_to_dict(config: Config) -> dict[str, Any]:
     """A JSON-serializable dict of ``config`` (B = inf as ``"inf"``); it validates back.
     ``learned_lr`` appears only with ``server.lr: learned`` (it applies only then), and
-    ``privacy``, ``compression``, ``robust`` and ``attack`` only when given, and
+    ``privacy``, ``compression``, ``robust``, ``secure`` and ``attack`` only when given, and
     ``per_client_eval`` only when on, ``client`` only with early stopping, and
     ``execution.mode`` and ``asynchronous`` only with ``mode: async``, ``network`` only
     with ``mode: network`` (configs written before they existed dump as before)."""
@@ -476,7 +480,7 @@ def config_to_dict(config: Config) -> dict[str, Any]:
         data.pop("privacy")
     if config.compression is None:
         data.pop("compression")
-    for section in ("robust", "attack"):
+    for section in ("robust", "attack", "secure"):
         if getattr(config, section) is None:
             data.pop(section)
     if config.execution.mode == "sync":  # the default engine dumps as before it had a name

@@ -283,7 +283,9 @@ class PrivacyConfig(_Section):
     default max(m/20, z): it must exceed z/2, and m/20 alone does not on small cohorts) or
     ``adaclip`` (coordinate-wise, from ``clip``; ``pin_scale: true`` pins
     its scale at ``clip`` so that only the allocation over coordinates adapts, the stable
-    choice when d·z²/m > 1). ``noise_multiplier`` z,
+    choice when d·z²/m > 1), or distributed DP with a ``secure`` section: ``skellam`` or
+    ``discrete_gaussian`` noise added by each client to its quantized update before the
+    secure sum (Kairouz et al. 2021; Agarwal et al. 2021). ``noise_multiplier`` z,
     or ``target_epsilon`` alone (then z is the smallest that keeps ``rounds`` rounds within
     it); with both, the run stops before the round that would exceed the budget.
     ``sampling``: ``fixed`` (the cohort of ``client_fraction``·N clients, as without DP;
@@ -298,7 +300,8 @@ class PrivacyConfig(_Section):
     one more release a round (``fedax.experiments.privacy_plan``)."""
 
     level: Literal["user", "example"] = "user"
-    mechanism: Literal["gaussian", "adaptive", "adaclip"] | None = None
+    mechanism: Literal["gaussian", "adaptive", "adaclip", "skellam",
+                       "discrete_gaussian"] | None = None
     noise_multiplier: Number | None = Field(None, ge=0, allow_inf_nan=False)
     target_epsilon: Number | None = Field(None, gt=0, allow_inf_nan=False)
     delta: Number = Field(1e-5, gt=0, lt=1)
@@ -330,12 +333,13 @@ class PrivacyConfig(_Section):
             return self
         if self.mechanism is None:
             raise _KeyedError("privacy.mechanism", "level 'user' needs a mechanism: gaussian, "
-                                                   "adaptive or adaclip")
+                                                   "adaptive, adaclip, skellam or "
+                                                   "discrete_gaussian")
         if self.noise_multiplier is None and self.target_epsilon is None:
             raise _KeyedError("privacy.noise_multiplier", "give noise_multiplier (z >= 0) or "
                                                           "target_epsilon (or both)")
-        if self.mechanism == "gaussian" and self.clip is None:
-            raise _KeyedError("privacy.clip", "mechanism 'gaussian' needs clip (S > 0)")
+        if self.mechanism in ("gaussian", "skellam", "discrete_gaussian") and self.clip is None:
+            raise _KeyedError("privacy.clip", f"mechanism {self.mechanism!r} needs clip (S > 0)")
         if self.per_layer and self.mechanism != "gaussian":
             raise _KeyedError("privacy.per_layer", "applies to mechanism 'gaussian' only")
         if self.pin_scale and (self.mechanism != "adaclip" or self.clip is None):
@@ -397,6 +401,29 @@ class CompressionConfig(_Section):
             raise _KeyedError("compression.block_size",
                               f"must be a power of 2, got {self.block_size}")
         return self
+
+
+class SecureConfig(_Section):
+    """Secure aggregation (Bonawitz et al. 2017; SecAgg+, Bell et al. 2020): the server
+    learns only the sum of the clients' quantized updates (``fedax.aggregators.secure``;
+    docs/secure-aggregation.md). Each coordinate is clipped to [−``clip``, ``clip``],
+    rounded stochastically to ``levels`` steps per side (default: the most the cohort
+    allows without wrap-around, at most 2^22) and summed mod 2^``bits``; a cohort whose sum
+    could wrap is refused. Without ``privacy`` it is FedAvg's weighted mean, each weight
+    n_k/``max_weight`` capped at 1 (default ``max_weight``: the largest n_k of the data; the
+    network engine needs it given). With ``privacy.mechanism: gaussian`` the server noises
+    the secure sum (``clip`` defaults to privacy.clip); with ``skellam`` or
+    ``discrete_gaussian`` each client noises its own integers (distributed DP), so no party
+    sees an unnoised sum. In simulation the primitive's exact arithmetic runs; over the
+    network the SecAgg+ protocol (``num_shares`` neighbours, ``threshold`` of them to
+    unmask; defaults: 2⌈log2 n⌉+1 and 2/3 of that)."""
+
+    bits: int = Field(32, ge=1, le=32)
+    clip: Number | None = Field(None, gt=0, allow_inf_nan=False)
+    levels: int | None = Field(None, ge=1)
+    max_weight: Number | None = Field(None, gt=0, allow_inf_nan=False)
+    num_shares: int | None = Field(None, ge=3)
+    threshold: int | None = Field(None, ge=2)
 
 
 class RobustConfig(_Section):

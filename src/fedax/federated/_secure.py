@@ -323,8 +323,8 @@ def _float_spec(spec: SecureSum, what: str) -> float:
 
 
 def _keys_per_leaf(key: jax.Array, n: int, leaves: int) -> list[jax.Array]:
-    keys = client_keys(key, n)
-    return [_fold_keys(keys, j) for j in range(leaves)]
+    keys = client_keys(key, n)  # client-placed: laid out as the values are, on a mesh
+    return [_constrain_clients(_fold_keys(keys, j)) for j in range(leaves)]
 
 
 def secure_sum(x: Any, spec: SecureSum, key: jax.Array) -> Any:
