@@ -1,0 +1,371 @@
+"""SecAgg+ (Bell et al., CCS 2020) over SecAgg (Bonawitz et al., CCS 2017): the client and
+server state machines, transport-agnostic.
+
+Each sampled client u runs four stages, each answering one server request:
+
+1. ``setup``: two X25519 key pairs, (sk1, pk1) for pairwise masks, (sk2, pk2) for
+   encrypting shares; it returns (pk1, pk2).
+2. ``share_keys``: given the keys of its live neighbours, it draws the self-mask seed b_u
+   and Shamir-shares b_u and sk1_u t-of-(holders), keeps its own share and encrypts the
+   others, one per neighbour v, under HKDF(X25519(sk2_u, pk2_v)).
+3. ``masked_input``: it decrypts the shares addressed to it and sends
+   ``y_u = x_u + PRG(b_u) + sum_{v<u} PRG(s_uv) - sum_{v>u} PRG(s_uv) mod 2^b``, s_uv =
+   HKDF(X25519(sk1_u, pk1_v)), over the neighbours whose shares reached it.
+4. ``unmask``: given the survivors and the dropped, it returns its shares of b_v for the
+   survivors and of sk1_v for the dropped, never both for one node in a session.
+
+The server routes (it cannot decrypt a share), and removes the masks: every survivor's
+PRG(b_u), and the pairwise masks survivors share with nodes that dropped before stage 3
+(their sk1 recovered from shares). It aborts (``SecAggAbort``) rather than go on with fewer
+than t survivors or fewer than t shares of any secret it needs, before unmasking anything.
+The server's per-stage methods take the replies that arrived (a missing client has
+dropped); a reply that breaks the protocol is set aside in ``rejected`` like a drop-out.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from fedax.runtime.secagg.crypto import (
+    KEY_BYTES,
+    MASK_INFO,
+    PAIR_MASK,
+    SELF_MASK,
+    SHARE_INFO,
+    Rng,
+    agree,
+    is_public_key,
+    keypair,
+    prg,
+    public_key,
+    seal,
+    unseal,
+)
+from fedax.runtime.secagg.errors import SecAggAbort, SecAggError
+from fedax.runtime.secagg.graph import MAX_ID
+from fedax.runtime.secagg.messages import Setup, ShareBundle
+from fedax.runtime.secagg.params import SecAggParams
+from fedax.runtime.secagg.shamir import combine, parse, split
+
+
+def _ids(ids: Iterable[int], what: str) -> tuple[int, ...]:
+    out = tuple(ids)
+    if len(set(out)) != len(out) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= MAX_ID for i in out):
+        raise SecAggError(f"{what} must be distinct integers in [0, {MAX_ID}]")
+    return out
+
+
+def _share_ok(share: bytes, holder: int, params: SecAggParams) -> bool:
+    """Is ``share`` a share of a 32-byte secret, at ``holder``'s point, of the round's t?"""
+    try:
+        x, threshold, length, _ = parse(share)
+    except SecAggError:
+        return False
+    return (x, threshold, length) == (holder + 1, params.threshold, KEY_BYTES)
+
+
+def _mask_seed(private: bytes, peer_public: bytes, params: SecAggParams) -> bytes:
+    return agree(private, peer_public, info=MASK_INFO, salt=params.session)
+
+
+class SecAggClient:
+    """One client's side of a round; the stages run once each, in order (``unmask`` may be
+    asked again, and never yields both shares of one node)."""
+
+    def __init__(self, cid: int, params: SecAggParams, neighbours: Iterable[int],
+                 rng: Rng = os.urandom):
+        if not isinstance(params, SecAggParams):
+            raise TypeError(f"params must be SecAggParams, got {type(params).__name__}")
+        (self.cid,) = _ids([cid], "the client id")
+        self.params, self.neighbours = params, tuple(sorted(_ids(neighbours, "neighbours")))
+        if cid in self.neighbours or len(self.neighbours) != params.num_shares - 1:
+            raise SecAggError(f"client {cid} needs num_shares - 1 = {params.num_shares - 1} "
+                              f"neighbours other than itself, got {self.neighbours}")
+        self._rng, self._stage = rng, "setup"
+        self._shares: dict[int, tuple[bytes, bytes]] = {}  # node -> (its b share, its sk1 share)
+        self._revealed: dict[int, str] = {}  # node -> "b" or "sk1", what the server has had
+
+    @classmethod
+    def from_setup(cls, message: Setup, rng: Rng = os.urandom) -> SecAggClient:
+        """The client a ``Setup`` message describes."""
+        return cls(message.cid, message.params, message.neighbours, rng)
+
+    def _enter(self, stage: str):
+        if self._stage != stage:
+            raise SecAggError(f"client {self.cid}: {stage} asked while at {self._stage}")
+
+    def _refuse(self, why: str):
+        raise SecAggError(f"client {self.cid} refuses: {why}")
+
+    def setup(self) -> tuple[bytes, bytes]:
+        """Stage 1: fresh key pairs; returns ``(pk1, pk2)``."""
+        self._enter("setup")
+        self._sk1, self._pk1 = keypair(self._rng)
+        self._sk2, self._pk2 = keypair(self._rng)
+        self._stage = "share_keys"
+        return self._pk1, self._pk2
+
+    def share_keys(self, keys: Mapping[int, tuple[bytes, bytes]]) -> dict[int, bytes]:
+        """Stage 2: ``keys`` (its live neighbours' (pk1, pk2), its own optional) -> one
+        encrypted ``ShareBundle`` per neighbour; itself and they hold its shares."""
+        self._enter("share_keys")
+        keys, p = dict(keys), self.params
+        if keys.setdefault(self.cid, (self._pk1, self._pk2)) != (self._pk1, self._pk2):
+            self._refuse("the key directory lists other keys as this client's own")
+        if set(keys) - set(self.neighbours) - {self.cid}:
+            self._refuse(f"keys of non-neighbours {sorted(set(keys) - set(self.neighbours))}")
+        flat = [k for pair in keys.values() for k in pair]
+        if not all(is_public_key(k) for k in flat):
+            self._refuse("a public key in the directory is not a usable X25519 key")
+        if len(set(flat)) != len(flat):
+            self._refuse("two public keys in the directory are equal")
+        if len(keys) < p.threshold:
+            self._refuse(f"{len(keys)} share holders (itself included), fewer than the "
+                         f"threshold {p.threshold}")
+        self._seed = self._rng(KEY_BYTES)
+        holders = sorted(keys)
+        points = [v + 1 for v in holders]
+        b_shares = split(self._seed, points, p.threshold, rng=self._rng)
+        sk_shares = split(self._sk1, points, p.threshold, rng=self._rng)
+        out = {}
+        for v, b_share, sk_share in zip(holders, b_shares, sk_shares, strict=True):
+            if v == self.cid:
+                self._shares[v] = (b_share, sk_share)
+                continue
+            key = agree(self._sk2, keys[v][1], info=SHARE_INFO, salt=p.session)
+            bundle = ShareBundle(self.cid, v, b_share, sk_share).to_bytes()
+            out[v] = seal(key, bundle, session=p.session, src=self.cid, dst=v, rng=self._rng)
+        self._keys = {v: pks for v, pks in keys.items() if v != self.cid}
+        self._stage = "masked_input"
+        return out
+
+    def _input(self, x: np.ndarray) -> np.ndarray:
+        x, p = np.asarray(x), self.params
+        if x.shape != (p.length,) or not np.issubdtype(x.dtype, np.integer):
+            self._refuse(f"the input must be an integer vector of shape ({p.length},), got "
+                         f"{x.dtype} {x.shape}")
+        if int(x.min()) < 0 or int(x.max()) >= p.modulus:
+            self._refuse(f"input values must be in [0, 2^{p.bits})")
+        return x.astype(np.uint32)
+
+    def masked_input(self, x: np.ndarray, received: Mapping[int, bytes]) -> np.ndarray:
+        """Stage 3: ``received`` (source -> ciphertext addressed here) -> y_u (uint32)."""
+        self._enter("masked_input")
+        p, y = self.params, self._input(x)
+        if set(received) - set(self._keys):
+            self._refuse(f"shares from {sorted(set(received) - set(self._keys))}, which are "
+                         "not neighbours in the key directory")
+        if len(received) + 1 < p.threshold:
+            self._refuse(f"shares from {len(received)} neighbours; with its own, fewer than "
+                         f"the threshold {p.threshold}")
+        shares = {}
+        for v, ciphertext in received.items():
+            key = agree(self._sk2, self._keys[v][1], info=SHARE_INFO, salt=p.session)
+            bundle = ShareBundle.from_bytes(
+                unseal(key, ciphertext, session=p.session, src=v, dst=self.cid))
+            if (bundle.src, bundle.dst) != (v, self.cid):
+                self._refuse(f"a share from {bundle.src} to {bundle.dst} arrived as {v}'s")
+            if not all(_share_ok(s, self.cid, p) for s in (bundle.b_share, bundle.sk_share)):
+                self._refuse(f"the shares from {v} are not shares for this client")
+            shares[v] = (bundle.b_share, bundle.sk_share)
+        y += prg(self._seed, p.length, p.bits, SELF_MASK)
+        for v in sorted(shares):
+            mask = prg(_mask_seed(self._sk1, self._keys[v][0], p), p.length, p.bits, PAIR_MASK)
+            if v < self.cid:
+                y += mask
+            else:
+                y -= mask
+        y &= np.uint32(p.modulus - 1)
+        self._shares.update(shares)
+        del self._seed, self._sk1, self._sk2  # only the shares are needed from here on
+        self._stage = "unmask"
+        return y
+
+    def unmask(self, survivors: Iterable[int], dropped: Iterable[int]) -> dict[int, bytes]:
+        """Stage 4: shares of b_v for each survivor v and of sk1_v for each dropped v."""
+        self._enter("unmask")
+        survivors, dropped = _ids(survivors, "survivors"), _ids(dropped, "dropped")
+        if set(survivors) & set(dropped):
+            self._refuse(f"{sorted(set(survivors) & set(dropped))} listed as survivors and "
+                         "as dropped")
+        if self.cid in dropped or self.cid not in survivors:
+            self._refuse("it sent its masked input, yet is not listed as a survivor")
+        if unknown := (set(survivors) | set(dropped)) - set(self._shares):
+            self._refuse(f"it holds no shares of {sorted(unknown)} (they never sent any)")
+        both = ([v for v in survivors if self._revealed.get(v) == "sk1"]
+                + [v for v in dropped if self._revealed.get(v) == "b"])
+        if both:
+            self._refuse(f"the server already has the other share of {sorted(both)}; a "
+                         "client never reveals both shares of one node")
+        self._revealed.update(dict.fromkeys(survivors, "b") | dict.fromkeys(dropped, "sk1"))
+        return ({v: self._shares[v][0] for v in survivors}
+                | {v: self._shares[v][1] for v in dropped})
+
+
+class SecAggServer:
+    """The server's side of a round: ``collect_*`` once per stage, in order; each takes the
+    replies that arrived and returns what to send next (per client), or the sum."""
+
+    def __init__(self, params: SecAggParams, neighbours: Mapping[int, Iterable[int]]):
+        if not isinstance(params, SecAggParams):
+            raise TypeError(f"params must be SecAggParams, got {type(params).__name__}")
+        self.params = params
+        self.neighbours = {u: frozenset(_ids(n, "neighbours")) for u, n in neighbours.items()}
+        _ids(self.neighbours, "client ids")
+        if len(self.neighbours) != params.num_clients:
+            raise ValueError(f"the graph has {len(self.neighbours)} nodes, params.num_clients "
+                             f"is {params.num_clients}")
+        for u, nbrs in self.neighbours.items():
+            if (u in nbrs or len(nbrs) != params.num_shares - 1
+                    or any(u not in self.neighbours.get(v, ()) for v in nbrs)):
+                raise ValueError(f"node {u}: the graph must be symmetric, with num_shares - 1 "
+                                 "neighbours per node (use graph.ring_graph)")
+        self.stage, self.aborted, self.result = "setup", None, None
+        self.rejected: dict[int, str] = {}  # client -> why its reply was set aside
+
+    def setup_messages(self) -> dict[int, Setup]:
+        """Stage 1 requests: the parameters and each client's neighbours."""
+        return {u: Setup(self.params, u, tuple(sorted(n))) for u, n in self.neighbours.items()}
+
+    @property
+    def survivors(self) -> tuple[int, ...]:
+        """The clients whose masked vector is in the sum (after stage 3)."""
+        return tuple(sorted(getattr(self, "_u3", ())))
+
+    def _enter(self, stage: str, after: str):
+        if self.stage != stage:
+            raise SecAggError(f"server: {stage} replies while at {self.stage}")
+        self.stage = after
+
+    def _abort(self, reason: str):
+        self.stage, self.aborted = "aborted", reason
+        raise SecAggAbort(reason)
+
+    def _holders(self, u: int, alive: set[int]) -> set[int]:
+        return ({u} | self.neighbours[u]) & alive
+
+    def _prune(self, alive: Iterable[int]) -> set[int]:
+        """``alive`` less the nodes with fewer than t share holders in it, repeatedly: a
+        node left out shares nothing with anyone, so nobody masks with it."""
+        alive = set(alive)
+        while short := {u for u in alive if len(self._holders(u, alive)) < self.params.threshold}:
+            alive -= short
+        return alive
+
+    def collect_public_keys(self, replies: Mapping[int, tuple[bytes, bytes]]
+                            ) -> dict[int, dict[int, tuple[bytes, bytes]]]:
+        """Stage 1 replies (client -> (pk1, pk2)) -> each live client's key directory."""
+        self._enter("setup", "share_keys")
+        t, keys = self.params.threshold, {}
+        counts: dict[bytes, int] = {}
+        for pks in replies.values():
+            for k in pks:
+                counts[k] = counts.get(k, 0) + 1
+        for u, pks in replies.items():
+            if u not in self.neighbours:
+                self.rejected[u] = "not sampled"
+            elif len(pks) != 2 or any(not is_public_key(k) or counts[k] > 1 for k in pks):
+                self.rejected[u] = "unusable or duplicated public keys"
+            else:
+                keys[u] = tuple(pks)
+        live = self._prune(keys)
+        if len(live) < t:
+            self._abort(f"{len(live)} clients sent usable keys, fewer than the threshold {t}")
+        self._keys = {u: keys[u] for u in live}
+        self._directory = {u: {v: keys[v] for v in self._holders(u, live)} for u in live}
+        return {u: dict(d) for u, d in self._directory.items()}
+
+    def collect_shares(self, replies: Mapping[int, Mapping[int, bytes]]
+                       ) -> dict[int, dict[int, bytes]]:
+        """Stage 2 replies (source -> destination -> ciphertext) -> each destination's
+        deliveries (source -> ciphertext)."""
+        self._enter("share_keys", "masked_input")
+        t, sent = self.params.threshold, {}
+        for u, cts in replies.items():
+            if u not in self._directory:
+                self.rejected[u] = "shares from a client not in stage 2"
+            elif set(cts) != set(self._directory[u]) - {u}:
+                self.rejected[u] = "shares not addressed to exactly its live neighbours"
+            elif not all(isinstance(c, bytes) for c in cts.values()):
+                self.rejected[u] = "a share that is not bytes"
+            else:
+                sent[u] = cts
+        self._u2 = u2 = self._prune(sent)
+        if len(u2) < t:
+            self._abort(f"{len(u2)} clients can go on to stage 3, fewer than the threshold {t}")
+        return {v: {u: sent[u][v] for u in self.neighbours[v] & u2} for v in u2}
+
+    def collect_masked(self, replies: Mapping[int, np.ndarray]
+                       ) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Stage 3 replies (client -> y) -> each survivor's unmask request (survivors whose
+        b-shares it holds, dropped whose sk1-shares it holds)."""
+        self._enter("masked_input", "unmask")
+        p, masked = self.params, {}
+        for u, y in replies.items():
+            y = np.asarray(y)
+            if u not in self._u2:
+                self.rejected[u] = "a masked vector from a client not in stage 3"
+            elif y.shape != (p.length,) or y.dtype != np.uint32 or (
+                    p.bits < 32 and (y >> p.bits).any()):
+                self.rejected[u] = f"not a uint32 vector of length {p.length} mod 2^{p.bits}"
+            else:
+                masked[u] = y
+        self._masked, u3 = masked, set(masked)
+        if len(u3) < p.threshold:
+            self._abort(f"{len(u3)} survivors, fewer than the threshold {p.threshold}")
+        self._u3 = u3
+        self._dropped = {w for w in self._u2 - u3 if self.neighbours[w] & u3}
+        for u in sorted(u3 | self._dropped):
+            if len(self._holders(u, u3)) < p.threshold:
+                self._abort(f"client {u}'s shares are held by {len(self._holders(u, u3))} "
+                            f"survivors, fewer than the threshold {p.threshold}")
+        self._requests = {v: (tuple(sorted(self._holders(v, u3))),
+                              tuple(sorted(self.neighbours[v] & self._dropped))) for v in u3}
+        return dict(self._requests)
+
+    def collect_unmask(self, replies: Mapping[int, Mapping[int, bytes]]) -> np.ndarray:
+        """Stage 4 replies (client -> node -> share) -> the sum of the survivors' inputs
+        mod 2^bits (uint32)."""
+        self._enter("unmask", "done")
+        p = self.params
+        b_shares: dict[int, list[bytes]] = {u: [] for u in self._u3}
+        sk_shares: dict[int, list[bytes]] = {w: [] for w in self._dropped}
+        for v, shares in replies.items():
+            survivors, dropped = self._requests.get(v, ((), ()))
+            if v not in self._requests or set(shares) != set(survivors) | set(dropped):
+                self.rejected[v] = "shares that were not asked for"
+            elif not all(_share_ok(s, v, p) for s in shares.values()):
+                self.rejected[v] = "a malformed share, or one not at its own point"
+            else:
+                for u in survivors:
+                    b_shares[u].append(shares[u])
+                for w in dropped:
+                    sk_shares[w].append(shares[w])
+        short = sorted(u for u, s in (b_shares | sk_shares).items() if len(s) < p.threshold)
+        if short:
+            self._abort(f"fewer than {p.threshold} shares arrived for clients {short}")
+        try:
+            seeds = {u: combine(s) for u, s in sorted(b_shares.items())}
+            keys = {w: combine(s) for w, s in sorted(sk_shares.items())}
+        except SecAggError as err:
+            self._abort(f"the shares cannot be combined: {err}")
+        if wrong := [w for w, sk in keys.items() if public_key(sk) != self._keys[w][0]]:
+            self._abort(f"the keys recovered for {wrong} do not match their public keys")
+        total = np.zeros(p.length, np.uint32)
+        for y in self._masked.values():
+            total += y
+        for seed in seeds.values():
+            total -= prg(seed, p.length, p.bits, SELF_MASK)
+        for w, sk in keys.items():
+            for u in sorted(self.neighbours[w] & self._u3):
+                mask = prg(_mask_seed(sk, self._keys[u][0], p), p.length, p.bits, PAIR_MASK)
+                if w < u:  # u added PRG(s_uw) for its smaller neighbour w
+                    total -= mask
+                else:
+                    total += mask
+        self.result = total & np.uint32(p.modulus - 1)
+        return self.result
