@@ -68,3 +68,25 @@ def records_of(out: Path, sets: list[str]) -> list[dict]:
     config = load_config(CONFIG, SHORT + ["rounds=1", "checkpoint_every=1"] + sets)
     run_experiment(config, out, progress=False, tensorboard=False)
     return records(out)
+
+
+@pytest.mark.parametrize("mechanism", ["skellam", "discrete_gaussian"])
+def test_distributed_dp_run_accounts_its_own_mechanism(tmp_path: Path, mechanism):
+    """``privacy.mechanism: skellam`` (or discrete_gaussian) with ``secure``: each client
+    noises its integers; ε is distributed DP's (no amplification: above the central
+    Gaussian's subsampled ε at the same z), its epsilon_covers names the mechanism."""
+    import json
+
+    from fedax.privacy import epsilon
+
+    sets = ["secure.bits=20", "privacy.level=user", f"privacy.mechanism={mechanism}",
+            "privacy.noise_multiplier=1.0", "privacy.clip=0.5"]
+    config = load_config(CONFIG, SHORT + ["rounds=1", "checkpoint_every=1"] + sets)
+    run_experiment(config, tmp_path, progress=False, tensorboard=False)
+    record = records(tmp_path)[-1]
+    assert record["noised_clients"] == 10 and record["modular_wrap_risk"] < 1e-3
+    privacy = json.loads((tmp_path / "summary.json").read_text())["privacy"]
+    assert mechanism in privacy["accounting"] and "without subsampling" in privacy["accounting"]
+    central = epsilon(1.0, 0.1, 1, 1e-5)
+    assert privacy["epsilon"] > central
+    assert any(mechanism in line for line in privacy["epsilon_covers"])

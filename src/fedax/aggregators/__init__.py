@@ -77,3 +77,6 @@ __all__ += ["SCHEMES", "Compressor", "cast", "compressed", "dp_compressed", "mak
 from fedax.aggregators.secure import secure_mean, secure_total  # noqa: E402
 
 __all__ += ["secure_mean", "secure_total"]
+from fedax.aggregators.distributed_dp import distributed_dp, distributed_dp_params  # noqa: E402
+
+__all__ += ["distributed_dp", "distributed_dp_params"]

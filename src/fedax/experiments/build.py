@@ -52,7 +52,7 @@ def build(config: Config, *, num_clients: int, model_kwargs: dict[str, Any],
         # the n_k, and the clients' noise is their own)
         plan, example_privacy = None, (float(p.clip), float(p.noise_multiplier))
     else:
-        plan = privacy_plan(config, num_clients, client_sizes)
+        plan = privacy_plan(config, num_clients, client_sizes, dim=param_count(params))
         example_privacy = None if plan is None else plan.example_privacy
     if config.secure is not None:
         aggregator = secure_aggregator(config, client_sizes=client_sizes, plan=plan)
@@ -66,6 +66,15 @@ def build(config: Config, *, num_clients: int, model_kwargs: dict[str, Any],
         example_privacy=example_privacy,
         holdout_privacy=None if plan is None else plan.holdout)
     return Built(algorithm, model, params, plan)
+
+
+def param_count(params: Any) -> int:
+    """The number of coordinates of ``params`` (arrays or shape structs)."""
+    import math
+
+    import jax
+
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
 
 
 def robust_aggregator(config: Config) -> Any:

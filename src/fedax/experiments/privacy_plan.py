@@ -200,14 +200,17 @@ def count_stddev(config: Config, m: float, z: float) -> float:
 
 
 def privacy_plan(config: Config, num_clients: int,
-                 client_sizes: Any = None) -> PrivacyPlan | None:
+                 client_sizes: Any = None, dim: int | None = None) -> PrivacyPlan | None:
     """The DP aggregator and accountant of ``config.privacy`` (None without one);
-    ``client_sizes`` (n_k) for example-level accounting. Raises ``ConfigError`` (exit 2)
-    for what only the data's size can rule out (the budget, adaptive clipping's count
-    noise, the learned η's holdout size)."""
+    ``client_sizes`` (n_k) for example-level accounting; ``dim``, the model's number of
+    parameters, for distributed DP (its sensitivity after rounding grows with it). Raises
+    ``ConfigError`` (exit 2) for what only the data's size can rule out (the budget,
+    adaptive clipping's count noise, the learned η's holdout size)."""
     p = config.privacy
     if p is None:
         return None
+    if p.level == "user" and p.mechanism in ("skellam", "discrete_gaussian"):
+        return distributed_plan(config, num_clients, dim)
     from fedax.privacy import ExampleLevelLedger, PrivacyLedger, noise_multiplier_for
 
     if p.level == "example":
@@ -295,3 +298,75 @@ def privacy_plan(config: Config, num_clients: int,
                         "bound)")
     return PrivacyPlan(float(z), q, m, ledger, rounds, holdout=holdout_privacy,
                        releases=tuple(releases), count_stddev=sigma_b)
+
+
+class DistributedLedger:
+    """ε of distributed DP (``fedax.privacy.distributed``): T rounds of the summed
+    Skellam or discrete Gaussian noise, RDP composed without subsampling amplification
+    (the cohort's realised noise is what the clients add), converted at δ."""
+
+    sampling = "fixed"
+
+    def __init__(self, params: Any, delta: float):
+        self.params, self.delta = params, float(delta)
+        self.noise_multiplier = params.noise_multiplier
+
+    def epsilon_after(self, rounds: int) -> float:
+        from fedax.privacy.distributed import distributed_epsilon
+
+        return distributed_epsilon(self.params, int(rounds), self.delta)
+
+    def rounds_within(self, target_epsilon: float, max_rounds: int | None = None) -> int:
+        """The most rounds (at most ``max_rounds``) whose ε stays within the target."""
+        low, high = 0, int(max_rounds or 10_000)
+        while low < high:  # ε grows with the rounds
+            mid = (low + high + 1) // 2
+            if self.epsilon_after(mid) <= target_epsilon:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def describe(self) -> str:
+        q = self.params
+        return (f"distributed {q.mechanism} (Agarwal et al. 2021 / Kairouz et al. 2021 RDP "
+                f"bound), {q.expected_clients} clients each adding variance "
+                f"{q.local_variance:.4g} at scale {q.scale:.4g}, {q.bits} bits, L2 "
+                f"sensitivity {q.l2_sensitivity:.4g} after rounding; RDP composed over rounds "
+                "without subsampling amplification")
+
+
+def distributed_plan(config: Any, num_clients: int, dim: int | None) -> Any:
+    """The plan of distributed DP: the config's z (a target alone is refused: give
+    noise_multiplier), the cohort m as the denominator, ε from ``DistributedLedger``."""
+    from fedax.aggregators.distributed_dp import distributed_dp_params
+
+    p = config.privacy
+    if p.noise_multiplier is None:
+        raise ConfigError(f"config key 'privacy.noise_multiplier': mechanism {p.mechanism!r} "
+                          "needs it given (target_epsilon alone is calibrated for the central "
+                          "Gaussian only); target_epsilon still stops the run at its budget")
+    if dim is None:
+        raise ValueError("distributed DP accounting needs the model's number of parameters")
+    m = cohort_size(config, num_clients)
+    try:
+        params = distributed_dp_params(float(p.clip), float(p.noise_multiplier), m, dim,
+                                       bits=config.secure.bits, mechanism=p.mechanism)
+    except ValueError as err:
+        raise ConfigError(f"config key 'secure.bits': {err}") from None
+    ledger = DistributedLedger(params, p.delta)
+    rounds = config.rounds
+    if p.target_epsilon is not None:
+        rounds = ledger.rounds_within(p.target_epsilon, config.rounds)
+        if rounds == 0:
+            raise ConfigError(
+                f"config key 'privacy.target_epsilon': one round already spends epsilon "
+                f"{ledger.epsilon_after(1):.3g} > {p.target_epsilon:g}; raise the noise, "
+                "the bits or the budget")
+    releases = (f"the modular sum of the clients' updates, each clipped to {p.clip:g}, "
+                f"rotated, scaled by {params.scale:.4g}, rounded and noised on the client "
+                f"({p.mechanism}, local variance {params.local_variance:.4g}; summed: "
+                f"z = {p.noise_multiplier:g}), through secure aggregation mod 2^"
+                f"{config.secure.bits}",)
+    return PrivacyPlan(float(p.noise_multiplier), m / num_clients, m, ledger, rounds,
+                       releases=releases)

@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fedax.experiments.build import build
+from fedax.experiments.build import build, param_count
 from fedax.experiments.config import (
     Config,
     check_against_data,
@@ -104,7 +104,8 @@ def run_experiment(
         sequence=data.y_test.ndim > 1, client_sizes=train.sizes)
     # What a resume may change (the schedule); raises, changing nothing, if it cannot.
     schedule = () if not resume else resume_schedule(
-        config, out, plan, lambda c: privacy_plan(c, train.num_clients, train.sizes))
+        config, out, plan, lambda c: privacy_plan(c, train.num_clients, train.sizes,
+                                                  dim=param_count(params)))
     if data.test_clients is not None:
         evaluate = make_client_evaluator(model.apply, data.x_test, data.y_test,
                                          data.test_clients, target=config.target_accuracy,

@@ -81,8 +81,9 @@ def secure_aggregator(config: Any, *, client_sizes: Any = None, plan: Any = None
         if p.mechanism in DISTRIBUTED:
             from fedax.aggregators.distributed_dp import distributed_dp
 
-            return distributed_dp(float(p.clip), plan.noise_multiplier, plan.expected_clients,
-                                  bits=secure.bits, mechanism=p.mechanism)
+            return distributed_dp(float(p.clip), plan.noise_multiplier,
+                                  int(plan.expected_clients), bits=secure.bits,
+                                  mechanism=p.mechanism, seed=config.seed)
         spec = SecureSum(clip=float(secure.clip or p.clip), bits=secure.bits,
                          levels=secure.levels)
         return aggregators.dp_gaussian(float(p.clip), plan.noise_multiplier,

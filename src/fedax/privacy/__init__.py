@@ -29,6 +29,7 @@ from fedax.privacy.calibration import (
     noise_multiplier_for,
     search_noise_multiplier,
 )
+from fedax.privacy.distributed import distributed_epsilon  # noqa: E402
 
 __all__ = [
     "ACCOUNTANTS",
@@ -40,6 +41,7 @@ __all__ = [
     "PrivacyLedger",
     "adaptive_clip_noise_multipliers",
     "describe",
+    "distributed_epsilon",
     "dp_event",
     "effective_noise_multiplier",
     "epsilon",

@@ -49,8 +49,14 @@ NETWORK_FIELDS = ("attempt", "selected", "reported", "rejected", "dropped", "unn
 
 def network_task(config: Config, data: FederatedData) -> Task:
     """The runtime ``Task`` of ``config`` on its data: the config's task part with N, one
-    example's shape and the model's arguments."""
+    example's shape and the model's arguments; a secure mean's ``secure.max_weight``, when
+    not given, is the data's largest n_k, as the simulator takes it."""
     train = data.train
+    secure, private = config.secure, config.privacy is not None and config.privacy.level == "user"
+    if secure is not None and secure.max_weight is None and not private:
+        largest = float(max(1, int(max(train.sizes))))
+        config = config.model_copy(update={"secure": secure.model_copy(
+            update={"max_weight": largest})})
     tokens = np.issubdtype(np.asarray(train.x[:1]).dtype, np.integer)
     return Task.from_config(config, num_clients=train.num_clients,
                             input_shape=list(train.x.shape[1:]),
@@ -141,6 +147,9 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
     this machine; write the simulator's outputs into ``out_dir`` and return the summary.
     ``server_options``: more ``ServerConfig`` fields (polling, liveness, message sizes,
     kept checkpoints) than the ``network:`` section sets."""
+    import jax
+
+    from fedax.experiments.build import param_count
     from fedax.experiments.run import summarize
     from fedax.models import get_model, with_precision
     from fedax.simulation import make_evaluator
@@ -151,10 +160,11 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
     train = data.train
     check_against_data(config, train.sizes)
     task = network_task(config, data)
-    plan = privacy_plan(config, train.num_clients, train.sizes)
+    model = with_precision(get_model(config.model, **data.model_kwargs), config.precision)
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    plan = privacy_plan(config, train.num_clients, train.sizes, dim=param_count(shapes))
     net = config.network
     setup = _setup(config, out, train.num_clients)
-    model = with_precision(get_model(config.model, **data.model_kwargs), config.precision)
     evaluate_fn = make_evaluator(model.apply, data.x_test, data.y_test)
 
     rounds = config.rounds if plan is None else plan.rounds
