@@ -26,6 +26,7 @@ SECURE = ["secure.bits=32"]
     (["server.lr=learned"], "server.lr", "not securely aggregated"),
     (["execution.mode=async"], "secure", "asynchronous buffered aggregation"),
     (["secure.threshold=9", "secure.num_shares=5"], "secure.threshold", "exceeds num_shares"),
+    (["secure.threshold=3", "secure.num_shares=7"], "secure.threshold", "at most half"),
 ])
 def test_what_does_not_compose_with_secure_is_refused(sets, key, words):
     with pytest.raises(ConfigError) as err:

@@ -415,8 +415,10 @@ class SecureConfig(_Section):
     the secure sum (``clip`` defaults to privacy.clip); with ``skellam`` or
     ``discrete_gaussian`` each client noises its own integers (distributed DP), so no party
     sees an unnoised sum. In simulation the primitive's exact arithmetic runs; over the
-    network the SecAgg+ protocol (``num_shares`` neighbours, ``threshold`` of them to
-    unmask; defaults: 2⌈log2 n⌉+1 and 2/3 of that)."""
+    network the SecAgg+ protocol (``num_shares`` k, the neighbourhood a client shares its
+    secrets with, itself included; ``threshold`` t of them to unmask; defaults:
+    min(n, 2⌈log2 n⌉+1), odd, and max(⌊k/2⌋+1, ⌊2k/3⌋): more than half, so that a server
+    lying about drop-outs cannot gather both secrets of one client)."""
 
     bits: int = Field(32, ge=1, le=32)
     clip: Number | None = Field(None, gt=0, allow_inf_nan=False)

@@ -58,11 +58,14 @@ def secure_combination(config: Any) -> tuple[str, str] | None:
                           "updates of different model versions that arrive one by one, "
                           "which a secure sum over one cohort does not cover; use "
                           "execution.mode sync or network (synchronous)")
-    if config.secure.threshold is not None and config.secure.num_shares is not None \
-            and config.secure.threshold > config.secure.num_shares:
-        return ("secure.threshold", f"{config.secure.threshold} exceeds num_shares "
-                                    f"{config.secure.num_shares}; a secret shared among k "
+    t, k = config.secure.threshold, config.secure.num_shares
+    if t is not None and k is not None and t > k:
+        return ("secure.threshold", f"{t} exceeds num_shares {k}; a secret shared among k "
                                     "neighbours is rebuilt from at most k shares")
+    if t is not None and k is not None and 2 * t <= k:
+        return ("secure.threshold", f"{t} is at most half of num_shares {k}: a server that "
+                                    "lies about who dropped could gather t shares of both "
+                                    "secrets of one client; use more than k/2")
     return None
 
 

@@ -83,6 +83,9 @@ class AsyncServer(Server):
         if self.learned is not None:
             raise ValueError("a learned server learning rate differentiates a synchronous "
                              "round; not with an asynchronous server")
+        if self._secure is not None:
+            raise ValueError("secure aggregation sums one cohort's updates; not with an "
+                             "asynchronous server (use the synchronous one)")
         self.buffered = buffered
         self._trips: dict[int, Trip] = {}
         self._buffer: list[tuple[int, Any, int]] = []  # (client, report, staleness)

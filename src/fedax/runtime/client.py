@@ -6,7 +6,9 @@ then ``Poll``s (the server holds an idle poll open until there is a task for it)
 is selected the poll streams the task (payload, round id, model version, nonce), the client
 runs ``client_step`` (jit-compiled: the algorithm's ``client_update`` on its own batches
 and state; the aggregator's client stage, e.g. the clip, runs on the server) and streams
-its report back with ``Submit``. It never sends its data or its per-client state.
+its report back with ``Submit``. It never sends its data or its per-client state. Under a
+secure aggregator it runs the client stage itself and answers SecAgg+'s four stages
+instead of reporting (``fedax.runtime.secure_client``): only a masked vector leaves it.
 
 Round t's batches are ``make_cohort`` of the client's own examples with
 ``default_rng([seed, t, client_id])`` (``local_batches``): a pure function of what the
@@ -37,7 +39,6 @@ import dataclasses
 import functools
 import logging
 import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -47,7 +48,16 @@ import grpc
 import numpy as np
 
 from fedax.runtime import wire
-from fedax.runtime.security import ClientTLS, Problem, key_words, metadata, probe
+from fedax.runtime.secure_client import SecureRounds
+from fedax.runtime.secure_task import STAGES
+from fedax.runtime.security import (  # noqa: F401 (train_key: this module's name too)
+    ClientTLS,
+    Problem,
+    load_or_make_secret,
+    metadata,
+    probe,
+    train_key,
+)
 
 log = logging.getLogger("fedax.runtime.client")
 
@@ -188,39 +198,6 @@ def local_batches(x: np.ndarray, y: np.ndarray, local_epochs: int, batch_size: f
             np.float32(cohort.num_examples[0]))
 
 
-def train_key(secret: bytes, t: int) -> np.ndarray:
-    """Raw threefry key data for round t from a client's secret: the first 8 bytes of
-    SHA-256(secret ‖ t as 8 bytes)."""
-    return key_words(secret + int(t).to_bytes(8, "little"))
-
-
-def load_or_make_secret(path: Path) -> bytes:
-    """The 32-byte secret in ``path`` (64 hex digits), made with ``os.urandom`` and written
-    atomically with mode 0600 if the file does not exist yet."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".client_seed.")  # mode 0600
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(os.urandom(32).hex())
-                f.flush()
-                os.fsync(f.fileno())
-            os.link(tmp, path)  # fails if another process made it first: keep theirs
-        except FileExistsError:
-            pass
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-    text = path.read_text().strip()
-    try:
-        secret = bytes.fromhex(text)
-    except ValueError:
-        secret = b""
-    if len(secret) != 32:
-        raise ValueError(f"{path} does not hold a 256-bit secret (64 hex digits); delete it "
-                         "to draw a new one")
-    return secret
-
-
 _BUILD_LOCK = threading.Lock()
 
 
@@ -237,6 +214,7 @@ def _build(task_json: str):
     import jax
 
     from fedax.runtime import store
+    from fedax.runtime.secure_task import secure_steps
     from fedax.runtime.task import (
         Task,
         build,
@@ -249,7 +227,8 @@ def _build(task_json: str):
     task = Task.from_json(task_json)
     built = build(task)
     pieces = built.pieces
-    template = payload_template(pieces, built.params, encodes(task))
+    staged = encodes(task) or pieces.aggregator.secure is not None  # it runs the stage
+    template = payload_template(pieces, built.params, staged)
     step = jax.jit(functools.partial(client_step, pieces))
     state_template = None
     if pieces.client_state is not None:
@@ -264,7 +243,8 @@ def _build(task_json: str):
                        holdout_step=jax.jit(functools.partial(holdout_step, built.loss)))
     return {"task": task, "pieces": pieces, "params": built.params, **holdout,
             "sent": store.raw_template(template), "sent_typed": template,
-            "key": key_data_template(), "step": step, "state_template": state_template}
+            "key": key_data_template(), "step": step, "state_template": state_template,
+            **secure_steps(task, pieces, built.params)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,7 +295,7 @@ class Client:
 
     def __init__(self, config: ClientConfig, x: np.ndarray, y: np.ndarray,
                  stop: threading.Event | None = None,
-                 test: tuple[np.ndarray, np.ndarray] | None = None):
+                 test: tuple[np.ndarray, np.ndarray] | None = None, fault: Any = None):
         self.config = config
         self.x, self.y = np.asarray(x), np.asarray(y)
         self.test = test  # its own test examples (x, y), for per_client_eval
@@ -323,6 +303,9 @@ class Client:
         self.rounds: list[tuple[int, int, bool, str]] = []  # (round, attempt, accepted, why)
         self._conn: Connection | None = None
         self._seed: bytes | None = None  # the secret training seed (keyed client updates)
+        # secure rounds (fedax.runtime.secure_client); ``fault``: a SecAggFault, tests only
+        self._secure = SecureRounds(self, fault)
+        self.secure_input: tuple[tuple[int, int], np.ndarray] | None = None  # never sent
 
     # ---------------------------------------------------------------- state files
 
@@ -475,6 +458,9 @@ class Client:
                 if env.kind in ("holdout", "evaluate"):
                     (self._holdout if env.kind == "holdout" else self._evaluate)(conn, b, env)
                     continue
+                if env.kind in STAGES:  # SecAgg+'s requests after a secure training task
+                    self._secure.answer(conn, env)
+                    continue
                 self.stop.wait(max(env.retry_after_s, 0.01))
         finally:
             conn.close()
@@ -501,20 +487,48 @@ class Client:
 
         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), b["sent"])
         sent = store.typed(zeros, b["sent_typed"])
+        step, extra = b["step"], ()  # a secure task's: for the n it expects (secure_steps)
+        if b["secure"] is not None and b["secure_n"] is not None:
+            step, extra = b["secure_step"](b["secure_n"]), (zeros["stage"]["key"],)
         with _BUILD_LOCK:
-            jax.block_until_ready(b["step"](*self._inputs(b, 0, sent)))
+            jax.block_until_ready(step(*self._inputs(b, 0, sent), *extra))
 
     def _work(self, conn: Connection, b, env) -> None:
+        from fedax.runtime import store
+
+        if b["secure"] is not None:  # train, then SecAgg+ (fedax.runtime.secure_client)
+            return self._secure.train(conn, b, env)
+        sent = store.typed(wire.decode_tree(list(env.tensors), b["sent"], "task"),
+                           b["sent_typed"])
+        report = self._train(b, env, sent)
+        if report is None:
+            return
+        out = wire.Envelope(kind="update", client_id=self.config.client_id, round=env.round,
+                            attempt=env.attempt, model_version=env.model_version,
+                            nonce=env.nonce, tensors=wire.encode_tree(report))
+        if self.config.delay_s > 0:
+            self.stop.wait(self.config.delay_s)
+        reply = self._call(conn.submit, out)
+        self.rounds.append((int(env.round), int(env.attempt), bool(reply.accepted),
+                            reply.reason))
+        if not reply.accepted:
+            log.warning("client %d: report for round %d.%d refused: %s",
+                        self.config.client_id, env.round, env.attempt, reply.reason)
+
+    def _train(self, b, env, sent, step=None, *extra) -> Any:
+        """The client step of round ``env.round`` on ``sent`` (typed; ``step``: another
+        compiled step taking ``extra`` arguments too): its outputs but the new state (the
+        report first), as NumPy, or None if the report is not finite (recorded, not
+        reported); a new per-client state waits in the pending file."""
         import jax
 
         from fedax.runtime import store
 
         task = b["task"]
         cid, t = self.config.client_id, int(env.round)
-        sent = store.typed(wire.decode_tree(list(env.tensors), b["sent"], "task"),
-                           b["sent_typed"])
-        report, new_state = b["step"](*self._inputs(b, t, sent))
-        report = jax.device_get(report)
+        *out, new_state = (step or b["step"])(*self._inputs(b, t, sent), *extra)
+        out = jax.device_get(out)
+        report = out[0]
         finite = wire.all_finite(jax.tree.leaves(report)) is None
         if new_state is not None:
             finite = finite and wire.all_finite(
@@ -523,22 +537,13 @@ class Client:
             log.warning("client %d: round %d.%d gave non-finite values; not reporting",
                         cid, t, env.attempt)
             self.rounds.append((t, int(env.attempt), False, "non-finite"))
-            return
+            return None
         if new_state is not None:
             _, pending_path = self._paths()
             store.save(pending_path, {"round": t, "attempt": int(env.attempt),
                                       "task_sha256": task.sha256(),
                                       "state": store.encode(new_state)})
-        out = wire.Envelope(kind="update", client_id=cid, round=t, attempt=env.attempt,
-                            model_version=env.model_version, nonce=env.nonce,
-                            tensors=wire.encode_tree(report))
-        if self.config.delay_s > 0:
-            self.stop.wait(self.config.delay_s)
-        reply = self._call(conn.submit, out)
-        self.rounds.append((t, int(env.attempt), bool(reply.accepted), reply.reason))
-        if not reply.accepted:
-            log.warning("client %d: report for round %d.%d refused: %s", cid, t, env.attempt,
-                        reply.reason)
+        return out if step is not None else report
 
     def _holdout(self, conn: Connection, b, env) -> None:
         """A holdout task (``fedax.runtime.holdout``): the loss at the new model over all

@@ -38,8 +38,9 @@ class OpenRound:
     accepted: dict[int, Report] = dataclasses.field(default_factory=dict)
     rejected: dict[int, str] = dataclasses.field(default_factory=dict)
     closed: bool = False
-    phase: str = "train"  # or "holdout" (fedax.runtime.holdout)
+    phase: str = "train"  # or "holdout", "evaluate", a SecAgg+ stage ("secagg-keys", ...)
     target: int | None = None  # accepted reports that close it (default: the cohort size)
+    own: dict[int, list] = dataclasses.field(default_factory=dict)  # tensors for one client
 
     def late(self, cid: int, t: int, attempt: int, nonce: str) -> bool:
         """A report this (closed) round issued and has not settled: late, not a fault."""

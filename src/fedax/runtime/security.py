@@ -23,6 +23,7 @@ import hmac
 import json
 import os
 import secrets
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,39 @@ def key_words(material: bytes) -> np.ndarray:
     """Threefry key data (two uint32 words) from secret ``material``: the first 8 bytes of
     its SHA-256. JAX's key holds 64 bits; the secret behind it may hold more."""
     return np.frombuffer(hashlib.sha256(material).digest()[:8], np.uint32).copy()
+
+
+def train_key(secret: bytes, t: int) -> np.ndarray:
+    """Raw threefry key data for round t from a client's secret: the first 8 bytes of
+    SHA-256(secret ‖ t as 8 bytes)."""
+    return key_words(secret + int(t).to_bytes(8, "little"))
+
+
+def load_or_make_secret(path: Path) -> bytes:
+    """The 32-byte secret in ``path`` (64 hex digits), made with ``os.urandom`` and written
+    atomically with mode 0600 if the file does not exist yet."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".client_seed.")  # mode 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(os.urandom(32).hex())
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)  # fails if another process made it first: keep theirs
+        except FileExistsError:
+            pass
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+    text = path.read_text().strip()
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = b""
+    if len(secret) != 32:
+        raise ValueError(f"{path} does not hold a 256-bit secret (64 hex digits); delete it "
+                         "to draw a new one")
+    return secret
 
 
 def metadata(client_id: int, token: str) -> tuple[tuple[str, str], ...]:

@@ -28,6 +28,10 @@ deployment runtime):
    (selected, reported, rejected, dropped, unneeded, bytes in and out, round time, the
    algorithm's metrics); with fewer, the round is retried as attempt a + 1.
 
+With a secure aggregator (``secure``), reporting and closing are SecAgg+'s four stages
+(``fedax.runtime.secure_phase``): the server learns the sum of the surviving clients'
+encoded client-stage outputs and nothing else; an attempt the protocol aborts is retried.
+
 A client's per-client state is its own: on its next poll the server tells it the last
 ``(round, attempt)`` whose aggregate included its report, once the checkpoint holding it is
 on disk, and the client keeps the state of exactly that report (``fedax.runtime.client``).
@@ -49,7 +53,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -57,15 +60,15 @@ import jax
 import numpy as np
 
 from fedax.aggregators import round_keys
-from fedax.algorithms.records import dumps, strict_json
 from fedax.runtime import store, wire
 from fedax.runtime.checks import ReportChecks
 from fedax.runtime.config import ServerConfig
 from fedax.runtime.gate import Gate, RateLimitedLog, Rejections, read_deadline
 from fedax.runtime.holdout_phase import HoldoutPhase
 from fedax.runtime.rounds import OpenRound, RoundFailed, finite, select, selection_words
+from fedax.runtime.secure_phase import SecurePhase
 from fedax.runtime.security import Registry, ServerTLS
-from fedax.runtime.server_checkpoint import CHECKPOINT, ServerCheckpoints
+from fedax.runtime.server_checkpoint import CHECKPOINT, ROUND_LOG, ServerCheckpoints
 from fedax.runtime.task import (
     Report,
     Task,
@@ -81,11 +84,10 @@ from fedax.runtime.task import (
 )
 
 log = logging.getLogger("fedax.runtime.server")
-ROUND_LOG = "rounds.jsonl"
 __all__ = ["CHECKPOINT", "ROUND_LOG", "Server"]
 
 
-class Server(HoldoutPhase, ServerCheckpoints):
+class Server(SecurePhase, HoldoutPhase, ServerCheckpoints):
     """A fedax server for ``task`` (see the module docstring).
 
     ``key``: the server's secret key. Default: drawn from the OS (``os.urandom``) at the
@@ -133,6 +135,7 @@ class Server(HoldoutPhase, ServerCheckpoints):
         self._step = jax.jit(lambda s, r, k, m, key: server_step(self.pieces, s, r, k, m, key,
                                                                  self._encodes, unit))
         self._setup_phases(built, self._encodes)  # holdout (server.lr: learned), evaluate
+        self._setup_secure(task, built, rehearsal=key is not None)  # SecAgg+ rounds
         self._set_key(key)
         self._lock = threading.Condition()
         self._news = threading.Condition()  # a round opened or closed, or the run ended
@@ -239,11 +242,15 @@ class Server(HoldoutPhase, ServerCheckpoints):
         words = ([self._simulator_seed] if self._simulator_seed is not None
                  else selection_words(self._secret))
         selected = select(words, t, attempt, alive, count)
-        sent = broadcast(self.pieces, self.state, self._encodes)
-        keys = np.asarray(round_keys(round_key(self._key, t), count)[0])
         log.info("round %d attempt %d: selected %d of %d alive clients", t, attempt, count,
                  len(alive))
-        return self._publish(t, attempt, selected, store.raw(sent), sent["payload"], keys)
+        if self._secure is not None:
+            return self._open_secure(t, attempt, selected)
+        sent = broadcast(self.pieces, self.state, self._encodes)
+        keys = np.asarray(round_keys(round_key(self._key, t), count)[0])
+        own = {c: stage_key(keys[i]) for i, c in enumerate(selected)} if self._encodes else {}
+        return self._publish(t, attempt, selected, store.raw(sent), sent["payload"], keys,
+                             own=own)
 
     def _wait_alive(self, need: int) -> list[int] | None:
         """The alive clients once there are ``need`` (None: the server stopped)."""
@@ -256,10 +263,12 @@ class Server(HoldoutPhase, ServerCheckpoints):
         return None
 
     def _publish(self, t: int, attempt: int, selected: list[int], sent: Any, payload: Any,
-                 keys: Any, phase: str = "train", target: int | None = None) -> OpenRound:
-        """Open round (t, attempt) for ``selected`` with the tensors ``sent``."""
+                 keys: Any, phase: str = "train", target: int | None = None,
+                 own: dict[int, list] | None = None, version: str | None = None) -> OpenRound:
+        """Open round (t, attempt) for ``selected`` with the tensors ``sent`` (and each
+        client's ``own`` tensors in its task only)."""
         shared = wire.Envelope(tensors=wire.encode_tree(sent)).SerializeToString()
-        version = hashlib.sha256(shared).hexdigest()[:16]
+        version = version or hashlib.sha256(shared).hexdigest()[:16]
         now = time.monotonic()
         with self._lock:
             self._bytes = {"in": 0, "out": 0}
@@ -267,7 +276,7 @@ class Server(HoldoutPhase, ServerCheckpoints):
                                     {c: secrets.token_hex(16) for c in selected}, shared,
                                     jax.device_get(payload), keys, version,
                                     now + self.config.deadline_s, now, phase=phase,
-                                    target=target)
+                                    target=target, own=own or {})
             self._lock.notify_all()
         self._announce()
         return self._round
@@ -340,11 +349,17 @@ class Server(HoldoutPhase, ServerCheckpoints):
             r = self._open(t, attempt)
             if r is None:
                 return False
-            closed = self._close(r)
-            record, accepted = closed["record"], closed["accepted"]
-            status = "retry"
-            if len(accepted) >= need:
-                state, metrics = self._aggregate(r, accepted)
+            if self._secure is not None:  # SecAgg+: the sum of the survivors' vectors only
+                closed = self._secure_close(r, need)
+                if closed is None:
+                    return False
+                record, accepted, result = closed
+            else:
+                closed = self._close(r)
+                record, accepted = closed["record"], closed["accepted"]
+                result = self._aggregate(r, accepted) if len(accepted) >= need else None
+            if result is not None:
+                state, metrics = result
                 if finite(state):
                     if self.learned is not None:  # the hypergradient's own phase
                         metrics.update(self._holdout(t, state))
@@ -352,44 +367,15 @@ class Server(HoldoutPhase, ServerCheckpoints):
                         metrics.update(self._client_eval(t, state))
                     self._install(r, state, accepted, record, metrics)
                     return True
-                status = "non-finite"  # the old state stays; the round is tried again
+                record["status"] = "non-finite"  # the old state stays; tried again
                 log.warning("round %d attempt %d: the new state is not finite; discarded",
                             t, attempt)
-            record.update(status=status, round_s=round(time.monotonic() - r.started, 4))
+            record.setdefault("status", "retry")
+            record["round_s"] = round(time.monotonic() - r.started, 4)
             self._log(record)
         raise RoundFailed(
             f"round {t} got fewer than {need} accepted reports (or no finite new state) in "
             f"{self.config.max_attempts} attempts; start more clients or lower min_reports")
-
-    def _install(self, r: OpenRound, state: Any, accepted: dict[int, Report],
-                 record: dict[str, Any], metrics: dict[str, float]) -> None:
-        """Make ``state`` the server's, checkpoint it, and only then tell the clients
-        their reports were included (a crash before the checkpoint is durable leaves no
-        client ahead of the server)."""
-        self.state = state
-        if self.evaluate is not None:
-            metrics.update(self.evaluate(self.params))
-        record.update(status="closed", round_s=round(time.monotonic() - r.started, 4),
-                      **metrics)
-        included = dict(self.included)
-        for c in accepted:
-            included[c] = (r.t, r.attempt)
-        self.rounds_done = r.t + 1
-        self.history.append(record)
-        self._save(included)
-        with self._lock:
-            self.included = included
-        self._log(record)
-
-    def _log(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
-        line = dumps(strict_json(record)[0])  # strict JSON: a NaN/inf metric is null
-        log.info("round %s", line)
-        if self.config.checkpoint_dir is not None:
-            path = Path(self.config.checkpoint_dir) / ROUND_LOG
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a") as f:
-                f.write(line + "\n")
 
     def _reject(self, r: OpenRound | None, cid: int, kind: str, reason: str) -> Any:
         self._refusals.warning(f"report-{kind}", "rejected a report from client %d: %s: %s",
@@ -432,8 +418,7 @@ class Server(HoldoutPhase, ServerCheckpoints):
                                deadline_s=max(r.deadline - time.monotonic(), 0.0),
                                rounds_done=self.rounds_done, included_round=included[0],
                                included_attempt=included[1])
-        if self._encodes and r.phase == "train":  # its client-stage key, in its task only
-            header.tensors.extend(stage_key(r.client_keys[r.selected.index(cid)]))
+        header.tensors.extend(r.own.get(cid, ()))  # its own keys, in its task only
         return wire.task_bytes(header, r.shared)
 
     def _idle(self, cid: int, held: bool) -> bytes:

@@ -1,25 +1,60 @@
-"""The server's checkpoint (a ``Server`` mixin): after every round, through
+"""The server's checkpoint and round log (a ``Server`` mixin): after every round, through
 ``fedax.checkpoint``'s atomic mode-0600 write (it holds the server's secret), the last
 ``keep_checkpoints`` kept; ``resume`` continues from the newest that reads, refusing one of
-another task."""
+another task. Every attempt's record goes to ``rounds.jsonl`` (strict JSON) beside it."""
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedax.algorithms.records import dumps, strict_json
 from fedax.runtime import store
 
 log = logging.getLogger("fedax.runtime.server")
 CHECKPOINT = "server_checkpoint.msgpack"
+ROUND_LOG = "rounds.jsonl"
 
 
 class ServerCheckpoints:
-    """Mixin of ``fedax.runtime.server.Server``: ``_save`` and ``_restore``."""
+    """Mixin of ``fedax.runtime.server.Server``: ``_install`` (with ``_save``), ``_log``
+    and ``_restore``."""
+
+    def _install(self, r: Any, state: Any, accepted: dict[int, Any],
+                 record: dict[str, Any], metrics: dict[str, float]) -> None:
+        """Make ``state`` the server's, checkpoint it, and only then tell the clients
+        their reports were included (a crash before the checkpoint is durable leaves no
+        client ahead of the server)."""
+        self.state = state
+        if self.evaluate is not None:
+            metrics.update(self.evaluate(self.params))
+        record.update(status="closed", round_s=round(time.monotonic() - r.started, 4),
+                      **metrics)
+        included = dict(self.included)
+        for c in accepted:
+            included[c] = (r.t, r.attempt)
+        self.rounds_done = r.t + 1
+        self.history.append(record)
+        self._save(included)
+        with self._lock:
+            self.included = included
+        self._log(record)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        line = dumps(strict_json(record)[0])  # strict JSON: a NaN/inf metric is null
+        log.info("round %s", line)
+        if self.config.checkpoint_dir is not None:
+            path = Path(self.config.checkpoint_dir) / ROUND_LOG
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(line + "\n")
 
     def _checkpoint_paths(self) -> list[Path]:
         return store.kept_paths(Path(self.config.checkpoint_dir) / CHECKPOINT,

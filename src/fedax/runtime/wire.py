@@ -10,7 +10,9 @@ either. In ``.proto`` terms::
 
     message Tensor   { string path = 1; string dtype = 2; repeated int64 shape = 3;
                        bytes data = 4; }
-    message Envelope { string kind = 1;          // "task", "update", "wait", "done"
+    message Envelope { string kind = 1;  // "task", "update", "wait", "done", "holdout",
+                                         // "evaluate"; SecAgg+: "secagg-keys",
+                                         // "secagg-masked", "secagg-unmask", "secagg"
                        int64 client_id = 2; int64 round = 3; int64 attempt = 4;
                        string model_version = 5; string nonce = 6;
                        double deadline_s = 7; double retry_after_s = 8;

@@ -1,0 +1,257 @@
+"""A secure round on the server (a ``Server`` mixin): SecAgg+ (``fedax.runtime.secagg``)
+for a task whose aggregator declares ``secure``; ``fedax.runtime.secure_task`` has the
+encoding both sides share.
+
+Round t, attempt a, with the n clients selected as for any round:
+
+1. **train + setup** (envelope kind ``task``): the payload, the aggregator's state, the
+   client's quantization key k_i and its SecAgg+ ``Setup`` (n, k, t, b, d, a fresh 16-byte
+   session id and a fresh public graph seed per attempt, its neighbours); in a rehearsal
+   with the simulator's keys also its client-stage key (in a deployment the client draws
+   its own, so that noise it adds, distributed DP's, is not known to the server). The
+   client trains, runs the aggregator's client stage, encodes and answers its two public
+   keys (``PublicKeys``); its update, statistics, sums and n_k never leave it.
+2. ``secagg-keys``: each live client's key directory; it answers its encrypted shares.
+3. ``secagg-masked``: the shares addressed to it; it answers its masked vector.
+4. ``secagg-unmask``: the survivors and the dropped among its neighbours; it answers its
+   shares of their self-mask seeds and mask keys. The server removes the masks and has
+   the sum mod 2^b of the survivors' vectors, and nothing else about any of them.
+
+Each stage is an open round of its own kind (fresh single-use nonces, ``deadline_s`` each,
+every reply authenticated by the Gate and its header checked before its body is read, as
+a report); its replies are parsed strictly (``secagg`` rejections for bytes that do not
+parse, as for any refused report) and handed to ``SecAggServer``, whose own refusals are
+counted as ``secagg`` rejections too. A client that misses a deadline has dropped. Then the
+sum is split into the client stage's leaves and decoded with the n selected, and
+``secure_server_step`` makes the new state. Too few clients at any stage (fewer than t, or
+fewer than ``min_reports``, checked before anything is unmasked) aborts the attempt, which
+is retried as a round with too few reports is; the server then holds masked vectors only.
+The record says ``secure_survivors``, ``secure_dropped``, ``secure_step`` (Δ, for a float
+sum), k and t, the bytes each stage moved, the server's CPU seconds in the protocol, and
+that the clients' training statistics are withheld.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from fedax.aggregators import round_keys
+from fedax.runtime import store, wire
+from fedax.runtime.rounds import OpenRound
+from fedax.runtime.secagg import (
+    KeyDirectory,
+    SecAggAbort,
+    SecAggError,
+    SecAggParams,
+    SecAggServer,
+    ShareDelivery,
+    UnmaskRequest,
+    ring_graph,
+)
+from fedax.runtime.secure_task import (
+    KEYS,
+    MASKED,
+    REPLIES,
+    SECURE_KEY_PATH,
+    UNMASK,
+    pack,
+    protocol_shape,
+    secure_keys,
+    secure_plan,
+    sender,
+    unpack,
+)
+from fedax.runtime.task import broadcast, round_key, secure_server_step, stage_key
+
+log = logging.getLogger("fedax.runtime.server")
+WITHHELD = "withheld: secure aggregation (train_loss and the clients' statistics stay on them)"
+
+
+class _Stopped(Exception):
+    """The server stopped during a secure round."""
+
+
+@dataclasses.dataclass
+class SecureTranscript:
+    """One attempt's protocol, kept for inspection (the last two): the ``SecAggServer``
+    (its masked vectors; ``result`` only once unmasked), the kind of message each client
+    sent at each stage, and the abort reason if it aborted."""
+
+    round: int
+    attempt: int
+    protocol: SecAggServer
+    received: dict[str, dict[int, str]] = dataclasses.field(default_factory=dict)
+    aborted: str | None = None
+
+
+class SecurePhase:
+    """Mixin of ``fedax.runtime.server.Server``: its secure rounds (module docstring)."""
+
+    _secure: Any = None  # the aggregator's SecureSum; None: plain reports
+
+    def _setup_secure(self, task: Any, built: Any, rehearsal: bool) -> None:
+        """Check the protocol's shape for the selection size (one line if it cannot run)
+        and keep the plan; ``rehearsal``: the server was given its keys (the simulator's),
+        so its clients may use the client-stage keys it derives."""
+        self.secure_transcripts: collections.deque[SecureTranscript] = collections.deque(
+            maxlen=2)
+        plan = secure_plan(task, self.pieces, built.params)
+        if plan is None:
+            return
+        section = task.spec().secure
+        self._secure_shape = ((None, None) if section is None
+                              else (section.num_shares, section.threshold))
+        protocol_shape(self.config.selection_size, *self._secure_shape)
+        if plan.spec.clip is not None:  # the sum of that many must not wrap around
+            plan.spec.levels_for(self.config.selection_size)
+        self._secure, self._secure_plan, self._rehearsal = plan.spec, plan, rehearsal
+        self._secure_steps: dict[int, Any] = {}
+
+    def _open_secure(self, t: int, attempt: int, selected: list[int]) -> OpenRound:
+        """The training task of a secure round, each selected client's with its keys and
+        its ``Setup``."""
+        n, plan = len(selected), self._secure_plan
+        k, threshold = protocol_shape(n, *self._secure_shape)
+        if plan.spec.clip is not None:
+            plan.spec.levels_for(n)
+        key = round_key(self._key, t)
+        stage_keys = np.asarray(round_keys(key, n)[0])
+        quantization = secure_keys(key, n)
+        params = SecAggParams(n, k, threshold, plan.spec.bits, plan.length, os.urandom(16))
+        protocol = SecAggServer(params, ring_graph(selected, k, os.urandom(16)))
+        setups = protocol.setup_messages()
+        own = {}
+        for i, cid in enumerate(selected):
+            own[cid] = [*(stage_key(stage_keys[i]) if self._rehearsal else ()),
+                        *wire.encode_arrays([(SECURE_KEY_PATH, quantization[i])]),
+                        pack(setups[cid])]
+        self.secure_transcripts.append(SecureTranscript(t, attempt, protocol))
+        sent = broadcast(self.pieces, self.state, True)
+        return self._publish(t, attempt, selected, store.raw(sent), sent["payload"],
+                             stage_keys, target=n, own=own)
+
+    def _secure_stage(self, r: OpenRound, phase: str, requests: dict[int, Any]) -> dict:
+        """One protocol stage as an open round of kind ``phase``, closed."""
+        own = {cid: [pack(m)] for cid, m in requests.items()}
+        stage = self._publish(r.t, r.attempt, sorted(own), {}, {}, np.zeros((0,)),
+                              phase=phase, target=len(own), own=own, version=r.model_version)
+        return self._close(stage)
+
+    def _secure_close(self, r: OpenRound, need: int) -> tuple | None:
+        """Round ``r``'s protocol, from its training task to the new state: ``(record,
+        survivors, (state, metrics) or None if it aborted)``; None if the server stopped."""
+        transcript = self.secure_transcripts[-1]
+        protocol, spec = transcript.protocol, self._secure
+        n, logged = len(r.selected), set()
+        traffic: dict[str, tuple[int, int]] = {}
+        counts = {"rejected": 0, "cpu": 0.0}
+
+        def replies(stage: str, closed: dict) -> dict:
+            if self._stop.is_set():
+                raise _Stopped
+            record = closed["record"]
+            traffic[stage] = (record["bytes_in"], record["bytes_out"])
+            counts["rejected"] += record["rejected"]
+            transcript.received[stage] = {c: type(m).__name__
+                                          for c, m in closed["accepted"].items()}
+            return closed["accepted"]
+
+        def run(method, answers):
+            start = time.thread_time()
+            try:
+                return method(answers)
+            finally:
+                counts["cpu"] += time.thread_time() - start
+                counts["rejected"] += self._secure_rejections(r, protocol, logged)
+
+        def enough(out: dict, what: str) -> dict:
+            if len(out) < need:
+                raise SecAggAbort(f"{len(out)} clients {what}, fewer than min_reports {need}")
+            return out
+
+        first = self._close(r)
+        result, record = None, first["record"]
+        try:
+            got = replies("train", first)
+            keys = enough(run(protocol.collect_public_keys,
+                              {c: (m.pk1, m.pk2) for c, m in got.items()}), "sent keys")
+            got = replies("keys", self._secure_stage(
+                r, KEYS, {c: KeyDirectory(d) for c, d in keys.items()}))
+            shares = enough(run(protocol.collect_shares,
+                                {c: m.shares for c, m in got.items()}), "shared their keys")
+            got = replies("masked", self._secure_stage(
+                r, MASKED, {c: ShareDelivery(c, s) for c, s in shares.items()}))
+            asks = enough(run(protocol.collect_masked, {c: m.values for c, m in got.items()}),
+                          "sent masked inputs")
+            got = replies("unmask", self._secure_stage(
+                r, UNMASK, {c: UnmaskRequest(*q) for c, q in asks.items()}))
+            total = run(protocol.collect_unmask, {c: m.shares for c, m in got.items()})
+            result = self._secure_step(total, n, r.t)
+        except _Stopped:
+            return None
+        except SecAggAbort as abort:
+            transcript.aborted = abort.reason
+            record.update(status="aborted", secure_abort=abort.reason)
+            log.warning("round %d attempt %d: secure aggregation aborted: %s", r.t,
+                        r.attempt, abort.reason)
+        survivors = protocol.survivors if result is not None else ()
+        rejected = counts["rejected"]
+        record.update(
+            reported=len(survivors), rejected=rejected, unneeded=0,
+            dropped=max(n - len(survivors) - rejected, 0),
+            bytes_in=sum(v[0] for v in traffic.values()),
+            bytes_out=sum(v[1] for v in traffic.values()),
+            secure_survivors=len(survivors), secure_dropped=n - len(survivors),
+            secure_num_shares=protocol.params.num_shares,
+            secure_threshold=protocol.params.threshold,
+            secure_server_cpu_s=round(counts["cpu"], 4), client_stats=WITHHELD,
+            **{f"secure_bytes_{d}_{stage}": v[i] for stage, v in traffic.items()
+               for i, d in enumerate(("in", "out"))})
+        if spec.clip is not None:
+            record["secure_step"] = spec.step(n)
+        return record, dict.fromkeys(survivors), result
+
+    def _secure_step(self, total: np.ndarray, n: int, t: int) -> tuple[Any, dict]:
+        """The new state from the protocol's sum over the n selected (decoded with n)."""
+        step = self._secure_steps.get(n)
+        if step is None:
+            pieces, plan = self.pieces, self._secure_plan
+            step = self._secure_steps[n] = jax.jit(lambda state, leaves, key: (
+                secure_server_step(pieces, state, plan.decode(leaves, n), key)))
+        state, metrics = step(self.state, self._secure_plan.split(total),
+                              round_key(self._key, t))
+        return state, {k: float(v) for k, v in metrics.items()}
+
+    def _secure_rejections(self, r: OpenRound, protocol: SecAggServer, logged: set) -> int:
+        """Count and log the protocol's new refusals (reason code ``secagg``)."""
+        new = {c: why for c, why in protocol.rejected.items() if c not in logged}
+        for cid, why in sorted(new.items()):
+            logged.add(cid)
+            self._refusals.warning("report-secagg", "rejected a report from client %d: "
+                                   "secagg: %s", cid, why)
+            with self._lock:
+                self.rejections.add(r.t, r.attempt, cid, "secagg")
+        return len(new)
+
+    def _checked_report(self, r: OpenRound, env: Any) -> tuple[Any, tuple[str, str] | None]:
+        """A secure round's reply parsed strictly as its stage's message, from its sender;
+        any other report as ``HoldoutPhase`` checks it."""
+        if self._secure is None or r.phase not in REPLIES:
+            return super()._checked_report(r, env)
+        try:
+            message = unpack(env.tensors, REPLIES[r.phase])
+        except wire.WireError as err:
+            return None, (err.kind, str(err))
+        except SecAggError as err:
+            return None, ("secagg", str(err))
+        if sender(message) != env.client_id:
+            return None, ("sender", "the secure-aggregation message names another sender")
+        return message, None
