@@ -20,17 +20,21 @@ import numpy as np
 import pytest
 from dp_accounting import rdp
 
+from fedax.aggregators import distributed_dp_params
 from fedax.algorithms import ALGORITHMS
 from fedax.client import Batches
 from fedax.experiments.build import build_algorithm
 from fedax.experiments.config import CompressionConfig, ConfigError, PrivacyConfig, validate_config
 from fedax.experiments.privacy_plan import privacy_plan
+from fedax.privacy import distributed_epsilon
 
 N, FRACTION, ROUNDS, DELTA, Z, CLIP = 12, 0.5, 7, 1e-5, 1.3, 1.0
 M = 6  # floor(0.5 * 12)
 SIZES = [20, 25, 30, 35, 40, 45, 50, 55, 60, 65, 70, 75]
 MECHANISMS = [*(("user", m) for m in typing.get_args(
     PrivacyConfig.model_fields["mechanism"].annotation.__args__[0])), ("example", None)]
+DISTRIBUTED = ("skellam", "discrete_gaussian")
+DIM = 1000  # a model's parameters, for distributed DP's accountant
 SCHEMES = typing.get_args(CompressionConfig.model_fields["scheme"].annotation)
 SCHEME_OPTIONS = {"qsgd": {"levels": 4}, "rotation": {"bits": 4}, "top_k": {"fraction": 0.25}}
 
@@ -49,6 +53,8 @@ def _config(algorithm, level, mechanism, lr, scheme):
         data["learned_lr"] = {"clip": 0.5}
     if scheme is not None:
         data["compression"] = {"scheme": scheme, **SCHEME_OPTIONS.get(scheme, {})}
+    if mechanism in DISTRIBUTED:  # distributed DP is noise on a secure sum
+        data["secure"] = {"bits": 20}
     return data
 
 
@@ -141,6 +147,8 @@ def _expected_refusal(algorithm, level, mechanism, lr, scheme, uploads) -> str |
         return "privacy.level"
     if level == "example" and lr == "learned":
         return "server.lr"
+    if mechanism in DISTRIBUTED and lr == "learned":
+        return "server.lr"  # the holdout reports are not securely aggregated
     return None
 
 
@@ -161,8 +169,15 @@ def test_every_combination_is_refused_or_fully_accounted(uploads):
             seen["refused"] += 1
             continue
         assert expected is None, (combo, "runs, but it should be refused")
-        plan = privacy_plan(config, N, SIZES)
+        plan = privacy_plan(config, N, SIZES, dim=DIM)
         eps = plan.ledger.epsilon_after(ROUNDS)
+        if mechanism in DISTRIBUTED:  # its own accountant: the summed noise, no sampling
+            params = distributed_dp_params(CLIP, Z, M, DIM, bits=20, mechanism=mechanism)
+            assert eps == pytest.approx(distributed_epsilon(params, ROUNDS, DELTA)), combo
+            assert len(plan.releases) == 1 and mechanism in plan.releases[0], combo
+            assert plan.summary(config, ROUNDS)["epsilon"] == pytest.approx(eps)
+            seen["accepted"] += 1
+            continue
         if level == "example":
             assert eps == pytest.approx(recount["example"], rel=1e-9), combo
             continue

@@ -9,7 +9,7 @@
   since 2^b divides 2^32). NumPy's generators are never used for masks.
 
 Flower uses SECP384R1, Fernet and a NumPy generator seeded with 32 bits instead
-(docs/references.md, papers section 12).
+(docs/references.md, secure aggregation).
 """
 
 from __future__ import annotations
