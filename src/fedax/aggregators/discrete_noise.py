@@ -26,6 +26,36 @@ def _uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return (high * 2.0 ** 26 + low) * 2.0 ** -53
 
 
+def _rejection(propose, key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Exact rejection sampling of ``shape`` values: ``propose(key, n) -> (values [n],
+    accepted [n])`` draws n independent proposals. The first pass proposes for every
+    element; each later pass proposes only for a fixed-size batch of the elements still
+    without an accepted value (gathered with ``nonzero``), so the stragglers of a large
+    array cost a fraction of a pass each instead of a whole one. Each element keeps its
+    first accepted proposal from independent draws: the distribution is the sampler's.
+    Elements still unaccepted after ``SAMPLER_ITERS`` passes (probability < 10⁻²⁰) are 0."""
+    n = math.prod(shape)
+    value, done = propose(jax.random.fold_in(key, 0), n)
+    value = jnp.where(done, value, 0.0)
+    cap = min(n, max(1024, n // 4))
+
+    def body(carry):
+        i, value, done = carry
+        (idx,) = jnp.nonzero(~done, size=cap, fill_value=n)
+        v, ok = propose(jax.random.fold_in(key, i), cap)
+        take = ok & (idx < n)
+        value = value.at[jnp.where(take, idx, n)].set(v, mode="drop")
+        done = done.at[jnp.where(take, idx, n)].set(True, mode="drop")
+        return i + 1, value, done
+
+    def more(carry):
+        i, _, done = carry
+        return (i < SAMPLER_ITERS) & ~jnp.all(done)
+
+    _, value, _ = jax.lax.while_loop(more, body, (jnp.int64(1), value, done))
+    return value.reshape(shape)
+
+
 def _log_poisson_pmf(k: jax.Array, lam: float) -> jax.Array:
     """log P(Poisson(λ) = k), float64, for k ≥ 0: Loader's saddle-point form for k ≥ 15
     (−½log(2πk) − stirlerr(k) − bd0(k, λ), accurate where k·log λ − lgamma(k+1) cancels),
@@ -55,25 +85,18 @@ def _poisson(key: jax.Array, lam: float, shape: tuple[int, ...]) -> jax.Array:
     log_inv_alpha = math.log(1.1239 + 1.1328 / (b - 3.4))
     v_r = 0.9277 - 3.6224 / (b - 2)
 
-    def body(carry):
-        i, out, done = carry
-        ku, kv = jax.random.split(jax.random.fold_in(key, i))
-        u = _uniform(ku, shape) - 0.5
-        v = _uniform(kv, shape)
+    def propose(key, n):
+        ku, kv = jax.random.split(key)
+        u = _uniform(ku, (n,)) - 0.5
+        v = _uniform(kv, (n,))
         us = 0.5 - jnp.abs(u)
         k = jnp.floor((2 * a / us + b) * u + lam + 0.43)
         quick = (us >= 0.07) & (v <= v_r)
         reject = (k < 0) | ((us < 0.013) & (v > us))
         slow = jnp.log(v) + log_inv_alpha - jnp.log(a / (us * us) + b) <= _log_poisson_pmf(k, lam)
-        accept = ~done & (quick | (~reject & slow))
-        return i + 1, jnp.where(accept, k, out), done | accept
+        return k, quick | (~reject & slow)
 
-    def more(carry):
-        i, _, done = carry
-        return (i < SAMPLER_ITERS) & ~jnp.all(done)
-
-    init = (jnp.int64(0), jnp.zeros(shape, jnp.float64), jnp.zeros(shape, bool))
-    return jax.lax.while_loop(more, body, init)[1].astype(jnp.int64)
+    return _rejection(propose, key, shape).astype(jnp.int64)
 
 
 def _skellam(key: jax.Array, variance: float, shape: tuple[int, ...]) -> jax.Array:
@@ -90,23 +113,16 @@ def _discrete_gaussian(key: jax.Array, variance: float, shape: tuple[int, ...]) 
         return jnp.zeros(shape, jnp.int64)
     t = math.floor(math.sqrt(variance)) + 1
 
-    def body(carry):
-        i, out, done = carry
-        k1, k2, k3 = jax.random.split(jax.random.fold_in(key, i), 3)
-        g1 = jnp.floor(-t * jnp.log1p(-_uniform(k1, shape)))
-        g2 = jnp.floor(-t * jnp.log1p(-_uniform(k2, shape)))
+    def propose(key, n):
+        k1, k2, k3 = jax.random.split(key, 3)
+        g1 = jnp.floor(-t * jnp.log1p(-_uniform(k1, (n,))))
+        g2 = jnp.floor(-t * jnp.log1p(-_uniform(k2, (n,))))
         y = g1 - g2
-        keep = _uniform(k3, shape) < jnp.exp(
+        keep = _uniform(k3, (n,)) < jnp.exp(
             -jnp.square(jnp.abs(y) - variance / t) / (2 * variance))
-        accept = ~done & keep
-        return i + 1, jnp.where(accept, y, out), done | accept
+        return y, keep
 
-    def more(carry):
-        i, _, done = carry
-        return (i < SAMPLER_ITERS) & ~jnp.all(done)
-
-    init = (jnp.int64(0), jnp.zeros(shape, jnp.float64), jnp.zeros(shape, bool))
-    return jax.lax.while_loop(more, body, init)[1].astype(jnp.int64)
+    return _rejection(propose, key, shape).astype(jnp.int64)
 
 
 SAMPLERS = {"skellam": _skellam, "discrete_gaussian": _discrete_gaussian}
