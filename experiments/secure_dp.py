@@ -5,13 +5,13 @@ cross the wire.
 Setting (the DP-FedAvg quick setting, ``fedax reproduce dp-fedavg-mnist --quick``):
 MNIST, pathological partition into N = 1,000 clients of 60 examples, a fixed cohort of
 m = 100 a round, E = 1, B = 10, client SGD lr 0.1, FedAvg's server step, clip C = 0.5,
-60 rounds, δ = 1e-5. Matched ε: the central Gaussian's z is calibrated to ``--epsilon``
+30 rounds, δ = 1e-5. Matched ε: the central Gaussian's z is calibrated to ``--epsilon``
 by fedax's accountant (fixed-size sampling, amplified); distributed DP's by bisection on
 its own accountant (``fedax.privacy.distributed_epsilon``: RDP of the summed Skellam or
 discrete Gaussian, no amplification). A central Gaussian at distributed DP's z separates
 the cost of losing amplification from the cost of quantization.
 
-Usage: python experiments/secure_dp.py [--epsilon 10] [--rounds 60] [--bits 16]
+Usage: python experiments/secure_dp.py [--epsilon 10] [--rounds 30] [--bits 16]
     [--mechanisms skellam,discrete_gaussian]
     [--out experiments/results/secure-dp] [--work DIR]
 """
@@ -172,7 +172,7 @@ def report(results: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epsilon", type=float, default=10.0)
-    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--bits", type=int, default=16)
     parser.add_argument("--mechanisms", default="skellam",
                         help="comma-separated: skellam, discrete_gaussian (each client "
