@@ -180,17 +180,10 @@ def _stop_tree(pids: list[int], ports: list[int]) -> None:
         if (p not in procs and any("flwr-" in a for a in args[:2])
                 and any(a in ours for a in args)):
             procs.append(p)
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import terminate_processes
+
+    terminate_processes(procs, timeout=10)
 
 
 def _wait_port(port: int, timeout: float) -> None:

@@ -604,3 +604,20 @@ def text_table(rows: Sequence[dict[str, Any]]) -> str:
     lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*cells) for cells in body]
     return "\n".join(lines)
+
+
+def terminate_processes(procs: list, timeout: float = 10.0) -> None:
+    """Terminate the ``psutil.Process`` es ``procs``; kill what is left after ``timeout``."""
+    import psutil
+
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
