@@ -581,3 +581,19 @@ def test_dp_round_inside_fedavg(name):
     for key in metrics[0]:
         if key not in ("rejected_clients", "train_loss", "local_steps"):
             np.testing.assert_array_equal(rejected[1][1][key], empty[1][1][key])
+
+
+def test_dp_compressed_applies_capped_weights_once():
+    """DP over a compressed uplink with capped weights: Σ_k min(n_k/ŵ, 1)·clip_S(Δ_k) / D,
+    each weight once (dp_gaussian's clip carries it; the compressed sum must not repeat it)."""
+    rng = np.random.default_rng(3)
+    deltas = rng.normal(size=(5, 16)).astype(np.float32)
+    n = np.array([1.0, 2.0, 4.0, 8.0, 0.0], np.float32)
+    aggregator = agg.dp_compressed(agg.cast("float16"), 1.0, 0.0, 7.0, weighting="capped",
+                                   example_cap=4.0)
+    value, _, _ = agg.aggregate(aggregator, jnp.asarray(deltas), jnp.asarray(n),
+                                aggregator.init(jnp.zeros(16)), jax.random.key(0))
+    norms = np.linalg.norm(deltas, axis=1, keepdims=True)
+    clipped = deltas * np.minimum(1.0, 1.0 / norms)
+    expected = (np.minimum(n / 4.0, 1.0)[:, None] * clipped).sum(0) / 7.0
+    np.testing.assert_allclose(np.asarray(value), expected, rtol=2e-3, atol=1e-3)

@@ -198,7 +198,9 @@ def dp_gaussian(
         # leaves the client already moves the sum by at most S
         value = dp_clip(value, clip, client_placed=False, weights=w, per_layer=per_layer)
         counted = jnp.logical_and(was_clipped, weight > 0)
-        return value, w, {"clipped": counted.astype(jnp.int32)}
+        # the weight is in the value now: a later reduction that weighs (dp_compressed's
+        # sum) must not apply it twice
+        return value, _unit_weights(w), {"clipped": counted.astype(jnp.int32)}
 
     if secure is None:
         def sum_reduce(values, weights, state, key):
