@@ -35,6 +35,14 @@ def test_what_does_not_compose_with_secure_is_refused(sets, key, words):
     assert f"'{key}'" in message and words in message and "\n" not in message
 
 
+def test_too_few_bits_for_the_cohort_is_refused_before_any_round(tmp_path: Path):
+    config = load_config(CONFIG, SHORT + ["secure.bits=8", "secure.levels=100"])
+    with pytest.raises(ConfigError, match=r"^config key 'secure.bits': a secure sum of 10 "
+                                          r"clients with 8 bits wraps around.*at least 11"):
+        run_experiment(config, tmp_path, progress=False, tensorboard=False)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_distributed_dp_needs_a_secure_sum():
     with pytest.raises(ConfigError, match=r"'privacy.mechanism'.*distributed DP.*add a "
                                           r"secure section"):

@@ -19,7 +19,7 @@ from fedax.algorithms import ALGORITHMS, FederatedAlgorithm
 from fedax.algorithms import make as make_algorithm
 from fedax.client import Batches
 from fedax.experiments.config import Config, ConfigError, resolved_server_optimizer
-from fedax.experiments.privacy_plan import PrivacyPlan, compressor, privacy_plan
+from fedax.experiments.privacy_plan import PrivacyPlan, cohort_size, compressor, privacy_plan
 from fedax.experiments.secure_plan import secure_aggregator
 from fedax.models import get_model, softmax_cross_entropy, with_precision
 
@@ -55,7 +55,8 @@ def build(config: Config, *, num_clients: int, model_kwargs: dict[str, Any],
         plan = privacy_plan(config, num_clients, client_sizes, dim=param_count(params))
         example_privacy = None if plan is None else plan.example_privacy
     if config.secure is not None:
-        aggregator = secure_aggregator(config, client_sizes=client_sizes, plan=plan)
+        aggregator = secure_aggregator(config, client_sizes=client_sizes, plan=plan,
+                                       cohort=cohort_size(config, num_clients))
     elif plan is None:
         aggregator = robust_aggregator(config)
     else:

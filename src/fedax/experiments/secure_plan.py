@@ -69,13 +69,29 @@ def secure_combination(config: Any) -> tuple[str, str] | None:
     return None
 
 
-def secure_aggregator(config: Any, *, client_sizes: Any = None, plan: Any = None) -> Any:
+def secure_aggregator(config: Any, *, client_sizes: Any = None, plan: Any = None,
+                      cohort: int | None = None) -> Any:
     """The aggregator of ``config.secure`` (None without one): the weighted mean through a
     secure sum; with a DP ``plan``, ``dp_gaussian`` over a secure sum (gaussian) or
-    ``distributed_dp`` (skellam, discrete_gaussian)."""
+    ``distributed_dp`` (skellam, discrete_gaussian). With ``cohort`` (clients a round),
+    a sum that could wrap around is refused here, naming ``secure.bits``."""
     secure = config.secure
     if secure is None:
         return None
+    aggregator = _secure_aggregator(config, client_sizes, plan)
+    spec = aggregator.secure
+    if cohort is not None and spec is not None and spec.clip is not None:
+        from fedax.experiments.errors import ConfigError
+
+        try:
+            spec.levels_for(cohort)
+        except ValueError as err:
+            raise ConfigError(f"config key 'secure.bits': {str(err).rstrip('.')}") from None
+    return aggregator
+
+
+def _secure_aggregator(config: Any, client_sizes: Any, plan: Any) -> Any:
+    secure = config.secure
     from fedax import aggregators
     from fedax.federated import SecureSum
 
