@@ -53,36 +53,12 @@ import optax
 from fedax import federated as fed
 from fedax.aggregators.base import Aggregator, no_state
 from fedax.federated import SecureSum, dp_clip, dp_noise
+from fedax.federated._dp import _non_negative, _number, _positive  # noqa: F401 (shared)
 
 Weighting = Literal["uniform", "capped"]
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _number(name: str, value: Any) -> float:
-    """``value`` as a finite Python float, or a ValueError naming ``name``."""
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}.") from None
-    if isinstance(value, bool) or not math.isfinite(out):
-        raise ValueError(f"{name} must be a finite number, got {value!r}.")
-    return out
-
-
-def _positive(name: str, value: Any) -> float:
-    out = _number(name, value)
-    if not out > 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}.")
-    return out
-
-
-def _non_negative(name: str, value: Any) -> float:
-    out = _number(name, value)
-    if out < 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}.")
-    return out
 
 
 def _unit_weights(weight: jax.Array) -> jax.Array:

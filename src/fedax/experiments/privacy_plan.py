@@ -161,6 +161,22 @@ def _round_up(value: float) -> str:
     return round_up(value, 4)
 
 
+def rounds_within_budget(config: Config, ledger: Any, spends: str, raise_what: str) -> int:
+    """The rounds ``ledger`` allows within ``privacy.target_epsilon`` (``config.rounds``
+    without a budget); a budget that one round already exceeds is refused in one line:
+    "one round {spends} spends epsilon ... ; raise {raise_what} or the budget"."""
+    p = config.privacy
+    if p.target_epsilon is None:
+        return config.rounds
+    rounds = ledger.rounds_within(p.target_epsilon, config.rounds)
+    if rounds == 0:
+        raise ConfigError(
+            f"config key 'privacy.target_epsilon': one round {spends} spends epsilon "
+            f"{ledger.epsilon_after(1):.3g} > {p.target_epsilon:g}; raise {raise_what} or "
+            "the budget")
+    return rounds
+
+
 def compressor(config: Config) -> Any:
     """The ``compression:`` section's compressor (None without one); ``rotation`` is seeded
     with the run's seed."""
@@ -218,14 +234,7 @@ def privacy_plan(config: Config, num_clients: int,
             raise ValueError("example-level accounting needs the clients' sizes")
         ledger = ExampleLevelLedger(p.noise_multiplier, client_sizes, config.batch_size,
                                     config.local_epochs, p.delta)
-        rounds = config.rounds
-        if p.target_epsilon is not None:
-            rounds = ledger.rounds_within(p.target_epsilon, config.rounds)
-            if rounds == 0:
-                raise ConfigError(
-                    f"config key 'privacy.target_epsilon': one round already spends epsilon "
-                    f"{ledger.epsilon_after(1):.3g} > {p.target_epsilon:g}; raise the noise "
-                    "or the budget")
+        rounds = rounds_within_budget(config, ledger, "already", "the noise")
         m = cohort_size(config, num_clients)
         releases = (f"each local step's noised sum of per-example gradients clipped to "
                     f"{p.clip:g} (DP-SGD, z = {p.noise_multiplier:g}), every client's every "
@@ -259,14 +268,8 @@ def privacy_plan(config: Config, num_clients: int,
                                  population=num_clients, extra_releases_per_round=extra)
     ledger = PrivacyLedger(z, q, p.delta, p.accountant, sampling=p.sampling,
                            population=num_clients, extra_releases_per_round=extra)
-    rounds = config.rounds
-    if p.target_epsilon is not None:
-        rounds = ledger.rounds_within(p.target_epsilon, max_rounds=config.rounds)
-        if rounds == 0:
-            raise ConfigError(
-                f"config key 'privacy.target_epsilon': one round at noise_multiplier {z:g} "
-                f"already spends epsilon {ledger.epsilon_after(1):.3g} > "
-                f"{p.target_epsilon:g}; raise the noise or the budget")
+    rounds = rounds_within_budget(config, ledger, f"at noise_multiplier {z:g} already",
+                                  "the noise")
     sigma_b = None
     update = f"the sum of the clients' updates, each clipped to {p.clip:g}" if p.clip else ""
     if p.mechanism == "gaussian" and config.compression is not None:
@@ -355,14 +358,7 @@ def distributed_plan(config: Any, num_clients: int, dim: int | None) -> Any:
     except ValueError as err:
         raise ConfigError(f"config key 'secure.bits': {err}") from None
     ledger = DistributedLedger(params, p.delta)
-    rounds = config.rounds
-    if p.target_epsilon is not None:
-        rounds = ledger.rounds_within(p.target_epsilon, config.rounds)
-        if rounds == 0:
-            raise ConfigError(
-                f"config key 'privacy.target_epsilon': one round already spends epsilon "
-                f"{ledger.epsilon_after(1):.3g} > {p.target_epsilon:g}; raise the noise, "
-                "the bits or the budget")
+    rounds = rounds_within_budget(config, ledger, "already", "the noise, the bits")
     releases = (f"the modular sum of the clients' updates, each clipped to {p.clip:g}, "
                 f"rotated, scaled by {params.scale:.4g}, rounded and noised on the client "
                 f"({p.mechanism}, local variance {params.local_variance:.4g}; summed: "

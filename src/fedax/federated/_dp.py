@@ -182,20 +182,29 @@ def dp_noise(tree: Any, stddev: float, key: jax.Array) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+def _number(name: str, value: Any) -> float:
+    """``value`` as a finite Python float, or a ValueError naming ``name`` (the DP
+    aggregators' validation too: ``fedax.aggregators.dp`` imports these)."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}.") from None
+    if isinstance(value, bool) or not math.isfinite(out):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    return out
+
+
 def _positive(name: str, value: Any) -> float:
-    out = _non_negative(name, value)
+    out = _number(name, value)
     if not out > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}.")
     return out
 
 
 def _non_negative(name: str, value: Any) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}.") from None
-    if isinstance(value, bool) or not math.isfinite(out) or out < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+    out = _number(name, value)
+    if out < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}.")
     return out
 
 
