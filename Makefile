@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: demo test lint install clean docs
+.PHONY: demo test typecheck lint install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -41,9 +41,15 @@ ISA_SKIP := not builds_every_algorithm and not writes_metrics and not same_seed 
 PYTEST_WORKERS ?= auto
 PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
-## test: install the test tools, lint, run the test suite (and the multi-device tests at AVX2)
+## typecheck: mypy over the core packages ([tool.mypy] in pyproject.toml; no errors allowed)
+typecheck: $(VENV)/.test-installed
+	$(BIN)/mypy
+
+## test: install the test tools, lint, type-check, run the test suite (and the multi-device
+## tests at AVX2)
 test: $(VENV)/.test-installed
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/pytest $(PARALLEL) -m "not serial"
 	$(BIN)/pytest -m serial
 	@if [ "$$(uname -m)" = x86_64 ]; then \
@@ -61,7 +67,7 @@ docs: $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) runs site .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs site .pytest_cache .ruff_cache .mypy_cache
 
 # --- Benchmarks (benchmarks/README.md) ------------------------------------------------------
 # PyTorch and Flower are never dependencies of fedax: they live in their own venv, built on

@@ -15,6 +15,7 @@ rotation's signs are ``rademacher(fold_in(shared key, i), [blocks, block])``):
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import jax
@@ -39,14 +40,8 @@ from fedax.aggregators import (
     roundtrip,
     top_k,
 )
-from fedax.aggregators.compression import (
-    MessageSizes,
-    pack_bits,
-    unpack_bits,
-    uplink_metrics,
-    uplink_sizes,
-    walsh_hadamard,
-)
+from fedax.aggregators.compression import MessageSizes, uplink_metrics, uplink_sizes
+from fedax.aggregators.compressors import pack_bits, unpack_bits, walsh_hadamard
 from fedax.algorithms import ClientMessage, CohortBatches, compose, fedavg
 from fedax.algorithms.error_feedback import error_feedback, residuals
 from fedax.algorithms.fedavg import model_pieces
@@ -556,22 +551,95 @@ def test_config_compression_section_validates_and_wires():
     assert cost.clients_to_server_bytes == 2 * (message_bytes(qsgd(1), params) + 4) + 2 * 4
 
 
-def test_report_claims_read_the_numbers():
-    """The compression report's claims: held or not by the stated criteria (fake rows)."""
-    from fedax.reproduce.compression_paper import claims, message_bytes
+def _claims(rows, improvement=2.0):
+    from fedax.reproduce import EXPERIMENTS
+    from fedax.reproduce.claims import check_claims
 
-    def row(label, acc):
-        return {"label": label, "accuracy": acc}
+    paper = EXPERIMENTS["compression"]
+    results = {"rows": [{"label": label, "accuracy": acc} for label, acc in rows],
+               "mean_estimation": [{"bits": 2, "plain": 1.0, "rotated": 1.0 / improvement,
+                                    "improvement": improvement}]}
+    return {c["claim"]: c["held"] for c in check_claims(paper.claims, results, paper.sources)}
 
-    rows = [row("float32 (none)", 0.96), row("float16", 0.959), row("QSGD s=7", 0.94),
-            row("top-k 1%", 0.93), row("top-k 1% + EF", 0.955)]
-    held = {c["claim"].split(" (")[0]: c["held"] for c in claims(rows)}
-    assert held["16-bit casts cost no accuracy"] is True
-    assert held["QSGD at 4 bits a coordinate matches float32"] is False  # −2 points
-    assert held["top-k 1% without error feedback loses accuracy"] is True
-    assert held["error feedback recovers top-k 1%"] is True
-    rows[-1] = row("top-k 1% + EF", 0.92)  # worse than without: not recovered
-    assert not [c for c in claims(rows) if c["claim"].startswith("error feedback")][0]["held"]
-    # the report's bytes: the float32 update (4 × 199,210) and a weight, or the code's
-    assert message_bytes(None) == 4 * 199_210 + 4
-    assert message_bytes({"scheme": "float16"}) == 2 * 199_210 + 4
+
+def test_compression_paper_claims_read_the_numbers():
+    """The paper file's claims (``papers/compression.yaml``): held or not by their stated
+    criteria (fake rows); a scheme without a row is not claimed."""
+    rows = [("float32 (none)", 0.96), ("float16", 0.959), ("QSGD s=7", 0.94),
+            ("top-k 1%", 0.93), ("top-k 1% + EF", 0.955)]
+    assert _claims(rows) == {
+        "16-bit casts cost no accuracy (float16)": True,
+        "QSGD at 4 bits a coordinate matches float32 (QSGD s=7)": False,  # −2 points
+        "top-k 1% without error feedback loses accuracy (> 1 point below float32)": True,
+        "error feedback recovers top-k 1% (better than without, within 1 point of float32)":
+            True,
+        "the random rotation lowers the error of the mean at 2 bit(s)": True}
+    rows[-1] = ("top-k 1% + EF", 0.92)  # worse than without: not recovered
+    held = _claims(rows, improvement=0.5)
+    assert not held["error feedback recovers top-k 1% (better than without, within 1 point "
+                    "of float32)"]
+    assert not held["the random rotation lowers the error of the mean at 2 bit(s)"]
+
+
+def test_compression_paper_message_bytes():
+    """The report's bytes: the float32 update (4 × 199,210) and a weight, or the code's."""
+    from fedax.reproduce.hooks.compression import message_bytes as paper_bytes
+
+    assert paper_bytes(None) == 4 * 199_210 + 4
+    assert paper_bytes({"scheme": "float16"}) == 2 * 199_210 + 4
+    assert paper_bytes({"scheme": "top_k", "fraction": 0.01, "error_feedback": True}) == \
+        paper_bytes({"scheme": "top_k", "fraction": 0.01})
+
+
+def test_compression_paper_runs_end_to_end(tmp_path):
+    """A tiny ``compression`` paper through the engine: its grid's configs, each scheme's row
+    (accuracy over the subset's last_k evaluations, bytes, ratios), the mean-estimation
+    table, the claims and the report; a second invocation reuses every run."""
+    from dataclasses import replace
+
+    from fedax.reproduce import EXPERIMENTS, reproduce
+    from fedax.reproduce.expr import slug
+
+    schemes = [["float32 (none)", None], ["QSGD s=1", {"scheme": "qsgd", "levels": 1}],
+               ["top-k 1% + EF", {"scheme": "top_k", "fraction": 0.01,
+                                  "error_feedback": True}]]
+    tiny = {"num_clients": 10, "client_fraction": 0.5, "rounds": 3, "eval_every": 1,
+            "last_k": 2, "seeds": [0], "target": 0.5, "schemes": schemes,
+            "mean_estimation": {"dim": 1024, "clients": 4, "trials": 2, "bits": [2]}}
+    paper = replace(EXPERIMENTS["compression"], settings={"quick": tiny})
+    logs: list[str] = []
+    results = reproduce(paper, tmp_path, quick=True, progress=False, log=logs.append)
+    runs = {r["run"]: r for r in results["runs"]}
+    assert list(runs) == ["float32-none/seed0", "qsgd-s-1/seed0", "top-k-1-ef/seed0"]
+    configs = {name: json.loads((tmp_path / "runs" / name / "summary.json").read_text())[
+        "config"] for name in runs}
+    assert "compression" not in configs["float32-none/seed0"]
+    assert configs["qsgd-s-1/seed0"]["compression"]["levels"] == 1
+    assert configs["top-k-1-ef/seed0"]["compression"]["error_feedback"] is True
+    assert {c["rounds"] for c in configs.values()} == {3}
+    rows = {r["label"]: r for r in results["rows"]}
+    plain = rows["float32 (none)"]
+    assert plain["message_bytes"] == 4 * 199_210 + 4 and plain["bits_per_coordinate"] > 32
+    assert plain["rounds_to_target"] == runs["float32-none/seed0"]["rounds_to_target"] < 3
+    for label, row in rows.items():
+        run = runs[f"{slug(label)}/seed0"]
+        assert row["accuracy"] == pytest.approx(np.mean([a for _, a in run["curve"][-2:]]))
+        assert row["minus_uncompressed"] == pytest.approx(row["accuracy"] - plain["accuracy"])
+        assert row["compression_ratio"] == pytest.approx(
+            plain["message_bytes"] / row["message_bytes"])
+        reached = run["rounds_to_target"]
+        assert row["uplink_bytes_to_target"] == (
+            None if reached is None else pytest.approx(reached * 5 * row["message_bytes"]))
+    assert 1.9 < rows["QSGD s=1"]["bits_per_coordinate"] < 2.2
+    assert [m["bits"] for m in results["mean_estimation"]] == [2]
+    assert results["mean_estimation"][0]["improvement"] > 1
+    claimed = [c["claim"] for c in results["claims"]]
+    assert claimed == ["the random rotation lowers the error of the mean at 2 bit(s)"]
+    report = (tmp_path / "report.md").read_text()
+    assert (f"| QSGD s=1 | {rows['QSGD s=1']['bits_per_coordinate']:.3g} | "
+            f"{rows['QSGD s=1']['compression_ratio']:.1f}× | "
+            f"{rows['QSGD s=1']['accuracy']:.4f} |") in report
+    assert (tmp_path / "accuracy_vs_bits.png").stat().st_size > 1000
+    logs.clear()
+    reproduce(paper, tmp_path, quick=True, progress=False, log=logs.append)
+    assert sum("(reused)" in line for line in logs) == 3

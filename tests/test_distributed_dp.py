@@ -33,7 +33,7 @@ from scipy import stats
 
 from fedax import aggregators as agg
 from fedax import federated as fed
-from fedax.aggregators.compression import hadamard, rotation_signs
+from fedax.aggregators.compressors import hadamard, rotation_signs
 from fedax.aggregators.distributed_dp import (
     DistributedDpState,
     conditional_round,

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from fedax.data import DataUnavailableError, fashion_mnist, load_fashion_mnist, mnist
-from fedax.data._cache import Source, local_gzip_source
+from fedax.data._cache import Source
+from fedax.data._sources import local_gzip_source
 
 NAMES = (mnist.TRAIN_IMAGES, mnist.TRAIN_LABELS, mnist.TEST_IMAGES, mnist.TEST_LABELS)
 

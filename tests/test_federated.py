@@ -1236,6 +1236,45 @@ def test_comm_cost_arithmetic():
     assert ff.CommCost(1, 2, 3, 4, 1).scale(3) == ff.CommCost(3, 6, 9, 12, 1)
 
 
+def test_comm_cost_and_the_audit_walk_the_same_sub_programs():
+    """comm_cost and audit_sums take an equation's sub-programs from one walker
+    (fedax.federated._jaxpr_walk): a sum in a jit, a remat, a custom_vjp, a scan, a while
+    loop or a cond branch is seen by both, with the walker's multiplicity."""
+    from fedax.federated._jaxpr_walk import sub_jaxprs
+
+    def up(x):
+        return ff.sum(ff.broadcast(x, N_COST))
+
+    @jax.custom_vjp
+    def custom(x):
+        return up(x)
+
+    custom.defvjp(lambda x: (up(x), None), lambda _, g: (g,))
+
+    def program(x, i):
+        a = jax.jit(up)(x) + jax.checkpoint(up)(x) + custom(x)
+        b = jax.lax.scan(lambda c, _: (c + up(x), None), x, None, length=3)[0]
+        c = jax.lax.while_loop(lambda c: c[0] < i, lambda c: (c[0] + 1, up(c[1])), (0, x))[1]
+        d = jax.lax.switch(i, [up, lambda x: x, up], x)
+        return a + b + c + d
+
+    x = jnp.ones((4,), jnp.float32)
+    closed = jax.make_jaxpr(program)(x, 1)
+    subs = [s for eqn in closed.jaxpr.eqns for s in sub_jaxprs(eqn)]
+    by_primitive = collections.Counter(
+        (eqn.primitive.name, s.trips, s.branch) for eqn in closed.jaxpr.eqns
+        for s in sub_jaxprs(eqn))
+    assert by_primitive[("scan", 3, False)] == 1
+    assert by_primitive[("while", None, False)] == 2  # body and condition
+    assert by_primitive[("cond", 1, True)] == 3
+    assert all(isinstance(s.jaxpr, jcore.Jaxpr) for s in subs)
+    # jit, remat, custom_vjp, scan, while, two cond branches: 7 sums in the program
+    assert len(ff.audit_sums(closed)) == 7
+    cost = ff.comm_cost(program, x, 1)
+    # ... of which the scan's runs 3 times and one cond branch runs: 3 + 3 + 1 + 1
+    assert cost.aggregations == 8 and cost.broadcasts == 8 and cost.unbounded_loops == 1
+
+
 def test_cpu_sum_is_a_product_with_ones_and_equals_numpy():
     """On XLA:CPU the federated sum lowers to ``1ᵀ x`` (a reduction over the leading axis of
     a rank-3 array is pathologically slow there; benchmarks/bench_aggregate.py); it must

@@ -33,7 +33,7 @@ def test_bad_choices_are_named():
 
 
 def test_collective_patience_flags():
-    from fedax.cli.main import COLLECTIVE_PATIENCE, with_collective_patience
+    from fedax.cli.processes import COLLECTIVE_PATIENCE, with_collective_patience
 
     flags = with_collective_patience("--xla_force_host_platform_device_count=2")
     for name, value in COLLECTIVE_PATIENCE.items():
@@ -65,7 +65,7 @@ def test_xla_takes_the_collective_flags_and_a_late_device_only_warns(tmp_path):
     import subprocess
     import sys
 
-    from fedax.cli.main import with_collective_patience
+    from fedax.cli.processes import with_collective_patience
 
     flags = with_collective_patience("--xla_force_host_platform_device_count=2 "
                                      "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1")

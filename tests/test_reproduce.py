@@ -6,8 +6,10 @@ import math
 import pytest
 
 from fedax.cli.main import main
-from fedax.reproduce import EXPERIMENTS, Cell, Experiment, cell_config, report
-from fedax.reproduce import framework as fw
+from fedax.experiments.config import ConfigError
+from fedax.reproduce import EXPERIMENTS, Cell, cell_config, report, runs, table
+from fedax.reproduce.engine import reproduce
+from fedax.reproduce.paper import Paper
 
 BASE = {
     "seed": 0, "dataset": "mnist", "num_clients": 100, "client_fraction": 0.1,
@@ -17,9 +19,9 @@ BASE = {
 
 
 def _tiny_experiment(rounds_fedsgd=4):
-    return Experiment(
-        name="tiny", title="tiny", paper="none", base=BASE,
-        full=[],
+    return Paper(
+        name="tiny", title="tiny", paper="none", kind="table", base=BASE,
+        cells=[],
         quick=[
             Cell("sgd", "FedSGD", "IID", {"algorithm": "fedsgd", "rounds": rounds_fedsgd},
                  (0.1,), paper=40, baseline=True),
@@ -32,23 +34,22 @@ def _tiny_experiment(rounds_fedsgd=4):
 
 def test_cells_validate_and_the_registered_experiments_build_their_configs():
     for experiment in EXPERIMENTS.values():
-        for cell in getattr(experiment, "full", []) + list(getattr(experiment, "quick", [])):
-            for lr in cell.lr_grid:
+        for cell in [*experiment.cells, *experiment.quick]:
+            for lr in cell.lrs:
                 config = cell_config(experiment, cell, lr)
                 assert config.client_lr == lr or cell.lr_key != "client_lr"
 
 
 def test_long_paper_cells_evaluate_every_percent_of_the_paper_rounds():
-    from fedax.reproduce.fedavg_paper import MNIST_2NN, MNIST_CNN
-
-    cnn = {c.name: c for c in MNIST_CNN.full}
+    MNIST_2NN, MNIST_CNN = EXPERIMENTS["fedavg-mnist-2nn"], EXPERIMENTS["fedavg-mnist-cnn"]
+    cnn = {c.name: c for c in MNIST_CNN.cells}
     # 626 paper rounds: every 6th round, so rounds to target stay exact to 1%
     assert cnn["fedsgd-e1-binf-iid"].config["eval_every"] == 6
     assert cnn["fedavg-e5-binf-pathological"].config["eval_every"] == 10
     # short cells keep the experiment's own (finer) resolution
     assert "eval_every" not in cnn["fedavg-e1-b10-iid"].config
     assert MNIST_CNN.base["eval_every"] == 2
-    two_nn = {c.name: c for c in MNIST_2NN.full}
+    two_nn = {c.name: c for c in MNIST_2NN.cells}
     assert two_nn["fedsgd-e1-binf-iid"].config["eval_every"] == 14
     assert two_nn["fedavg-e1-b10-pathological"].config["eval_every"] == 6
     assert "eval_every" not in two_nn["fedavg-e1-b10-iid"].config  # 87 rounds: every 5th
@@ -58,19 +59,18 @@ def test_shakespeare_line_sample_column_repeats_the_non_iid_cells():
     """The third column runs the non-IID cells on one sample per line (the paper's u); the
     chunk cells' configs carry no ``sample`` key, so their runs' fingerprints, and the
     committed run's checkpoints, still match."""
-    from fedax.reproduce.fedavg_paper import SHAKESPEARE
-
-    cells = {c.name: c for c in SHAKESPEARE.full}
-    line = [c for c in SHAKESPEARE.full if c.group == "non-IID, line samples"]
-    chunk = [c for c in SHAKESPEARE.full if c.group == "non-IID"]
+    SHAKESPEARE = EXPERIMENTS["fedavg-shakespeare"]
+    cells = {c.name: c for c in SHAKESPEARE.cells}
+    line = [c for c in SHAKESPEARE.cells if c.group == "non-IID, line samples"]
+    chunk = [c for c in SHAKESPEARE.cells if c.group == "non-IID"]
     assert [c.name for c in line] == [f"{c.name}-line" for c in chunk]
     for c in line:
         twin = cells[c.name.removesuffix("-line")]
-        assert (c.paper, c.method, c.baseline, c.lr_grid) == (
-            twin.paper, twin.method, twin.baseline, twin.lr_grid)
+        assert (c.paper, c.method, c.baseline, c.lrs) == (
+            twin.paper, twin.method, twin.baseline, twin.lrs)
         assert cell_config(SHAKESPEARE, c, 1.47).shakespeare.sample == "line"
         assert cell_config(SHAKESPEARE, twin, 1.47).shakespeare.sample == "chunk"
-    assert all("sample" not in c.config["shakespeare"] for c in SHAKESPEARE.full
+    assert all("sample" not in c.config["shakespeare"] for c in SHAKESPEARE.cells
                if not c.name.endswith("-line"))
     assert [c for c in line if c.baseline] == [cells["fedsgd-e1-binf-natural-line"]]
 
@@ -86,7 +86,7 @@ def test_speedups_ratio_check_and_the_grid_cap():
         {"group": "h", "baseline": False, "paper": 25, "rounds_to_target": 6.0,
          "rounds_cap": 200},
     ]
-    fw._speedups(cells)
+    table._speedups(cells)
     assert cells[1]["speedup"] == 5.0 and not cells[1]["speedup_bound"]
     assert cells[1]["paper_speedup"] == 10.0
     assert cells[3]["speedup"] == 5.0 and cells[3]["speedup_bound"]  # >= 30 / 6
@@ -96,16 +96,16 @@ def test_speedups_ratio_check_and_the_grid_cap():
 
     experiment = _tiny_experiment()
     cell = experiment.quick[1]
-    assert fw._cap(experiment, cell, []) is None
+    assert table._cap(experiment, cell, []) is None
     # best so far 3.5 rounds, evaluations every round: a later point stops after round 5
-    assert fw._cap(experiment, cell, [(0.1, {"rounds_to_target": 3.5})]) == 5
+    assert table._cap(experiment, cell, [(0.1, {"rounds_to_target": 3.5})]) == 5
 
 
 def test_reproduce_picks_the_best_lr_writes_the_report_and_reuses_runs(tmp_path):
     experiment = _tiny_experiment()
     out = tmp_path / "rep"
     logs = []
-    results = fw.reproduce(experiment, out, quick=True, progress=False, log=logs.append)
+    results = reproduce(experiment, out, quick=True, progress=False, log=logs.append)
     sgd, avg = results["cells"]
     # lr 0.001 cannot reach 85% in 8 rounds of 60 steps; 0.1 reaches it within 2 rounds
     assert avg["lr"] == 0.1 and avg["rounds_to_target"] is not None
@@ -127,7 +127,7 @@ def test_reproduce_picks_the_best_lr_writes_the_report_and_reuses_runs(tmp_path)
 
     # A second invocation reuses every finished run and reports the same numbers.
     logs.clear()
-    again = fw.reproduce(experiment, out, quick=True, progress=False, log=logs.append)
+    again = reproduce(experiment, out, quick=True, progress=False, log=logs.append)
     assert sum("(reused)" in line for line in logs) == 3
     assert [c["rounds_to_target"] for c in again["cells"]] == [
         c["rounds_to_target"] for c in results["cells"]]
@@ -135,17 +135,17 @@ def test_reproduce_picks_the_best_lr_writes_the_report_and_reuses_runs(tmp_path)
     # One cell at one learning rate (--cells avg --lrs 0.1) reuses that run alone, and so
     # does a config that differs only in how often it saves (not a different run).
     logs.clear()
-    chosen = fw.select_cells(experiment, True, ["avg"], [0.1])
-    assert [(c.name, tuple(c.lr_grid)) for c in chosen] == [("avg", (0.1,))]
-    one = fw.reproduce(experiment, out, quick=True, progress=False, log=logs.append,
+    chosen = table.select_cells(experiment, True, ["avg"], [0.1])
+    assert [(c.name, tuple(c.lrs)) for c in chosen] == [("avg", (0.1,))]
+    one = reproduce(experiment, out, quick=True, progress=False, log=logs.append,
                        cells=["avg"], lrs=[0.1])
     assert [c["name"] for c in one["cells"]] == ["avg"] and one["cells"][0]["lr"] == 0.1
     assert sum("(reused)" in line for line in logs) == 1
     assert one["cells"][0]["rounds_to_target"] == avg["rounds_to_target"]
     saved_config = json.loads((out / "runs" / "avg" / "lr_0.1" / "summary.json").read_text())[
         "config"]
-    assert fw._same_config({**saved_config, "checkpoint_every": 7}, saved_config)
-    assert not fw._same_config({**saved_config, "rounds": 9}, saved_config)
+    assert runs._same_config({**saved_config, "checkpoint_every": 7}, saved_config)
+    assert not runs._same_config({**saved_config, "rounds": 9}, saved_config)
 
     # --report-only runs nothing and reads an unfinished run from its newest readable
     # checkpoint: FedSGD made to look stopped after round 2 (no summary; its round-4
@@ -156,7 +156,7 @@ def test_reproduce_picks_the_best_lr_writes_the_report_and_reuses_runs(tmp_path)
     torn.write_bytes(torn.read_bytes()[:100])
     before = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*") if p.is_file()}
     logs.clear()
-    status = fw.reproduce(experiment, out, quick=True, progress=False, log=logs.append,
+    status = reproduce(experiment, out, quick=True, progress=False, log=logs.append,
                           report_only=True)
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("*") if p.is_file()} == before
     sgd_now, avg_now = status["cells"]
@@ -171,19 +171,19 @@ def test_reproduce_picks_the_best_lr_writes_the_report_and_reuses_runs(tmp_path)
     assert "**In progress.**" in report and "in progress (not reached in 2 rounds)" in report
     from fedax.experiments.resume import run_progress
 
-    other = fw.cell_config(experiment, experiment.quick[0], 0.2)  # not this run's config
+    other = cell_config(experiment, experiment.quick[0], 0.2)  # not this run's config
     assert run_progress(other, sgd_dir) is None
-    assert run_progress(fw.cell_config(experiment, experiment.quick[0], 0.1),
+    assert run_progress(cell_config(experiment, experiment.quick[0], 0.1),
                         sgd_dir)["round"] == 2
 
 
 def test_cell_and_learning_rate_choices_are_checked(capsys):
     experiment = _tiny_experiment()
-    assert [c.name for c in fw.select_cells(experiment, True, ["avg", "sgd"])] == ["sgd", "avg"]
-    with pytest.raises(fw.ConfigError, match="no cell named 'nope'; its cells: sgd, avg"):
-        fw.select_cells(experiment, True, ["nope"])
-    with pytest.raises(fw.ConfigError, match="positive and finite"):
-        fw.select_cells(experiment, True, None, [0.1, 0.0])
+    assert [c.name for c in table.select_cells(experiment, True, ["avg", "sgd"])] == ["sgd", "avg"]
+    with pytest.raises(ConfigError, match="no cell named 'nope'; its cells: sgd, avg"):
+        table.select_cells(experiment, True, ["nope"])
+    with pytest.raises(ConfigError, match="positive and finite"):
+        table.select_cells(experiment, True, None, [0.1, 0.0])
     assert main(["reproduce", "fedavg-shakespeare", "--cells", "fedavg-e5-b10-natrual"]) == 2
     err = capsys.readouterr().err
     assert "no cell named 'fedavg-e5-b10-natrual'" in err and "fedavg-e5-b10-natural" in err
@@ -213,13 +213,13 @@ def test_the_command_lists_experiments_and_rejects_unknown_names(capsys):
 
 
 def test_a_diverging_grid_point_is_a_miss_not_the_end_of_the_reproduction(tmp_path):
-    experiment = Experiment(
-        name="tiny-diverge", title="t", paper="none", base=BASE, full=[],
+    experiment = Paper(
+        name="tiny-diverge", title="t", paper="none", kind="table", base=BASE, cells=[],
         quick=[Cell("avg", "FedAvg", "IID", {"algorithm": "fedavg", "local_epochs": 1,
                                              "batch_size": 10, "rounds": 3},
                     (1e4, 0.1))],
     )
-    results = fw.reproduce(experiment, tmp_path, quick=True, progress=False,
+    results = reproduce(experiment, tmp_path, quick=True, progress=False,
                            log=lambda _: None)
     (cell,) = results["cells"]
     assert cell["lr"] == 0.1 and cell["rounds_to_target"] is not None

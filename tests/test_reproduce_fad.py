@@ -1,8 +1,9 @@
-"""The FAD experiments of ``fedax reproduce``: the mislabelling partition, the carried-tangent
-server-lr hypergradient (against the library's one-round version and the exact hypergradient
-through two rounds), learned client weights that down-weight mislabelled clients, and the
-reports of tiny runs."""
+"""The FAD papers of ``fedax reproduce`` (``fad-server-lr``, ``fad-client-weights``): the
+mislabelling partition, the carried-tangent server-lr hypergradient (against the library's
+one-round version and the exact hypergradient through two rounds), and both papers run end
+to end by the engine at tiny sizes: the protocol's choices, the claims and the reports."""
 
+import dataclasses
 import json
 
 import jax
@@ -14,9 +15,9 @@ import pytest
 from fedax import data as fdata
 from fedax.algorithms import fedavg
 from fedax.hyper import HyperCohort, hypergradient, learned_server_lr, learned_server_lr_carried
-from fedax.reproduce import EXPERIMENTS
-from fedax.reproduce import fad_client_weights as fcw
-from fedax.reproduce import fad_server_lr as fsl
+from fedax.reproduce import EXPERIMENTS, get_paper, reproduce
+from fedax.reproduce.hooks import fad_client_weights as fcw
+from fedax.reproduce.hooks import fad_server_lr as fsl
 
 
 def _labels_and_parts(num_clients=20, per_client=20, classes=10):
@@ -61,16 +62,6 @@ def test_mislabel_permute_is_a_per_client_bijection_and_edge_fractions():
     assert len(fdata.mislabel_clients(labels, parts, 1.0, seed=1)[1]) == len(parts)
     with pytest.raises(ValueError):
         fdata.mislabel_clients(labels, parts, 0.3, seed=1, mode="flip")
-
-
-def test_weight_stats():
-    stats = fcw.weight_stats(np.array([1.0, 1.0, 2.0, 4.0]), np.array([3, 5, 7, 9]),
-                             bad=np.array([5, 9]), sizes=np.array([10.0, 10.0, 10.0, 30.0]))
-    assert stats["bad_weight_share"] == pytest.approx(5 / 8)
-    assert stats["bad_example_share"] == pytest.approx(40 / 60)
-    assert stats["bad_norm_weight"] == pytest.approx((0.5 + 2.0) / 2)
-    assert stats["good_norm_weight"] == pytest.approx((0.5 + 1.0) / 2)
-    assert stats["num_bad"] == 2
 
 
 # ---------------------------------------------------------- carried-tangent hypergradient
@@ -151,75 +142,118 @@ def test_carried_tangent_is_the_exact_hypergradient_through_past_rounds():
     assert abs(float(one_round_metrics["hypergradient"]) - float(grad)) > 0.05 * abs(float(grad))
 
 
-# ----------------------------------------------------------------------- tiny experiments
+# ------------------------------------------------------------------- the papers, tiny
 
 
-def _tiny_task(seed=0, fraction=0.3, mode="permute", clients=10, per_client=60):
-    train, test = fdata.synthetic(0.0, 0.0, num_clients=clients, dim=8, num_classes=4,
-                                  seed=seed, iid=True, sizes=per_client)
-    parts = [train.client_indices(k) for k in range(clients)]
-    y, bad = fdata.mislabel_clients(train.y, parts, fraction, seed, mode)
-    train = fdata.ClientData(train.x, y, train.indices, train.offsets)
-    task = fsl.Task("tiny", "tiny synthetic", train, test.x, test.y,
-                    fsl.logistic_model(8, 4), clients_per_round=5, epochs=1, batch=10,
-                    client_lr=0.1, note="tiny")
-    return task, bad
+# Synthetic IID data, 10 clients (sizes 48-711), logistic regression: seconds a run.
+TINY_TASK = {"task": "tiny", "title": "tiny synthetic", "note": "tiny",
+             "data": {"dataset": "synthetic", "synthetic": {"iid": True}, "num_clients": 10},
+             "clients_per_round": 5, "epochs": 1, "batch": 10, "client_lr": 0.1}
 
 
-def test_server_lr_report_from_a_tiny_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(fsl, "load_task", lambda name, seed: _tiny_task(seed, 0.0)[0])
+def _tiny(name, settings):
+    return dataclasses.replace(get_paper(name), settings={"quick": settings})
+
+
+def _tables(text):
+    return [line for line in text.splitlines() if line.startswith("|")]
+
+
+def test_server_lr_protocol_claims_and_report_of_a_tiny_run(tmp_path):
+    variant = {"name": "v", "hyper_lr": 0.1, "decay": 0.5, "holdout_factor": 2}
+    task = {**TINY_TASK, "rounds": 4, "eval_every": 2, "grid": [0.316, 1.0]}
     command = "fedax reproduce fad-server-lr --quick"
-    results = fsl.run(tmp_path, True, False, command, tasks=("tiny",),
-                      settings={"tiny": dict(rounds=4, eval_every=2, grid=(0.316, 1.0))},
-                      variants=(fsl.Variant("v", 0.1, decay=0.5),), log=lambda _: None)
+    reproduce(_tiny("fad-server-lr", {"seed": 0, "tasks": [task], "variants": [variant]}),
+              tmp_path, quick=True, progress=False, command=command, log=lambda _: None)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["command"] == command and saved["quick"] is True
     assert saved["experiment"] == "fad-server-lr" and saved["machine"]["cpus"] >= 1
-    task = saved["tasks"][0]
-    best = task["best_fixed_lr"]
-    assert best in (0.316, 1.0)
-    assert task["starts"] == [fsl.lattice_neighbour(best, 0.1), fsl.lattice_neighbour(best, 10)]
-    fixed = {r["initial_server_lr"] for r in task["fixed"]}
-    assert fixed >= {0.316, 1.0, *task["starts"]}
-    assert [r["initial_server_lr"] for r in task["learned"]] == task["starts"]
-    assert all(len(r["records"]) == 2 for r in task["fixed"] + task["learned"])
-    assert task["selected_variant"] == "v" and set(task["verdict"]) >= {"matches_best_fixed"}
+    t = saved["tasks"][0]
+    fixed = {r["initial_server_lr"]: r for r in t["fixed"]}
+    # η* has the grid's lowest training loss; the starts are the lattice points 0.1x and 10x.
+    assert t["best_fixed_lr"] == min((0.316, 1.0), key=lambda lr: fixed[lr]["tail_train_loss"])
+    assert t["starts"] == {0.316: [0.0316, 3.16], 1.0: [0.1, 10.0]}[t["best_fixed_lr"]]
+    assert set(fixed) == {0.316, 1.0, *t["starts"]}
+    assert [r["initial_server_lr"] for r in t["learned"]] == t["starts"]
+    assert all(len(r["records"]) == 2 for r in t["fixed"] + t["learned"])
+    for r in t["fixed"] + t["learned"]:  # the last-20% values: the last of 2 evaluations
+        assert r["tail_test_accuracy"] == r["records"][-1]["test_accuracy"]
+    assert all(r["final_server_lr"] != r["initial_server_lr"] for r in t["learned"])  # η moved
+    assert all(r["final_server_lr"] == r["initial_server_lr"] for r in t["fixed"])
+    assert t["selected_variant"] == "v"
+    assert t["variant_scores"]["v"] == pytest.approx(
+        np.mean([r["tail_train_loss"] for r in t["learned"]]))
+    # Three claims, each held exactly when the numbers say so.
+    best = fixed[t["best_fixed_lr"]]
+    expected = [
+        all(r["tail_test_accuracy"] >= best["tail_test_accuracy"] - 0.005 for r in t["learned"]),
+        all(r["tail_train_loss"] <= 1.02 * best["tail_train_loss"] for r in t["learned"]),
+        all(r["tail_train_loss"] < fixed[r["initial_server_lr"]]["tail_train_loss"]
+            for r in t["learned"]),
+    ]
+    assert [c["held"] for c in saved["claims"]] == expected
+    assert saved["verdicts"]["tiny"] == dict(zip(
+        ["matches_best_fixed", "matches_best_fixed_train_loss", "improves_on_its_start"],
+        expected, strict=True))
     report = (tmp_path / "report.md").read_text()
     assert f"Command: `{command}` (quick subset)" in report and "CPU cores" in report
-    assert "| fixed η |" in report and "| variant | start |" in report
-    assert "Selected variant: **v**" in report and "![tiny](tiny.png)" in report
-    assert (tmp_path / "tiny.png").stat().st_size > 0
-    assert results["figures"] == ["tiny.png"]
+    tables = _tables(report)
+    assert tables[0].startswith("| data set | η* |")
+    assert tables[3].startswith("| fixed η | final test acc |") and len(tables) == 3 + 6 + 4
+    assert f"| {t['best_fixed_lr']:g} (η*) |" in report and " (off grid) |" in report
+    assert sum("| v **(selected)** |" in line for line in tables) == 2
+    assert "holdout 2×m clients" in report
+    assert saved["figures"] == ["test_accuracy.png", "server_lr.png"]
+    assert all((tmp_path / name).stat().st_size > 0 for name in saved["figures"])
+    # --report-only rewrites the same report from results.json.
+    reproduce("fad-server-lr", tmp_path, report_only=True, progress=False, log=lambda _: None)
+    assert (tmp_path / "report.md").read_text() == report
 
 
-def test_client_weights_down_weight_mislabelled_clients_and_report(tmp_path):
-    """On 10 IID clients, 3 with permuted labels, the learned rule (soft-error holdout from
-    the whole population, as in the experiment) drives θ₂ (local loss) below 0 and gives the
-    bad clients less than half their share of the examples, while n_k weighting gives them
-    exactly their share; and the report of the run has its fields."""
-    methods = ("n_k", "learned (soft-error holdout)", "oracle")
-    results = fcw.run(tmp_path, True, False, "fedax reproduce fad-client-weights --quick",
-                      task_loader=lambda seed, fraction, mode: _tiny_task(seed, fraction, mode),
-                      settings=dict(rounds=40, eval_every=10), methods=methods,
-                      hyper_lr=0.1, log=lambda _: None)
+def test_weight_stats():
+    stats = fcw.weight_stats(np.array([1.0, 1.0, 2.0, 4.0]), np.array([3, 5, 7, 9]),
+                             bad=np.array([5, 9]), sizes=np.array([10.0, 10.0, 10.0, 30.0]))
+    assert stats["bad_weight_share"] == pytest.approx(5 / 8)
+    assert stats["bad_example_share"] == pytest.approx(40 / 60)
+    assert stats["bad_norm_weight"] == pytest.approx((0.5 + 2.0) / 2)
+    assert stats["good_norm_weight"] == pytest.approx((0.5 + 1.0) / 2)
+    assert stats["num_bad"] == 2
+
+
+def test_client_weights_down_weight_mislabelled_clients_claims_and_report(tmp_path):
+    """On 10 clients, 3 with permuted labels, the learned rule (soft-error holdout from the
+    whole population, as in the paper file) drives θ₂ (local loss) below 0 and gives the bad
+    clients less than half their share of the examples: its claim holds; the oracle never
+    sees a bad client."""
+    methods = {"n_k": {}, "learned (soft-error holdout)": {"holdout": "population",
+                                                          "objective": "soft error"},
+               "oracle": {"train": "good"}}
+    settings = {"seed": 0, "fraction": 0.3, "mode": "permute", "hyper_lr": 0.1,
+                "rounds": 40, "eval_every": 10, "task": TINY_TASK, "methods": methods}
+    reproduce(_tiny("fad-client-weights", settings), tmp_path, quick=True, progress=False,
+              log=lambda _: None)
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["experiment"] == "fad-client-weights" and saved["fraction"] == 0.3
-    assert len(saved["bad_clients"]) == 3
+    assert saved["experiment"] == "fad-client-weights" and len(saved["bad_clients"]) == 3
     assert list(saved["methods"]) == list(methods)
     r = saved["methods"]["learned (soft-error holdout)"]
     assert len(r["final_theta"]) == 2 and len(r["records"]) == 4
     assert r["final_theta"][1] < 0
     assert r["tail_bad_weight_share"] < 0.5 * r["tail_bad_example_share"]
     assert r["tail_bad_norm_weight"] < r["tail_good_norm_weight"]
-    assert saved["verdict"] == {"learned (soft-error holdout)": results["verdict"][
-        "learned (soft-error holdout)"]}
-    assert saved["verdict"]["learned (soft-error holdout)"]["down_weights"] is True
+    assert r["mean_bad_weight_share"] == pytest.approx(
+        np.mean([x["bad_weight_share"] for x in r["records"]]))
+    assert "final_theta" not in saved["methods"]["n_k"]
+    assert saved["down_weights"] == {"learned (soft-error holdout)": True}
+    [claim] = saved["claims"]
+    assert claim["held"] is True and claim["claim"].startswith("learned (soft-error holdout)")
     report = (tmp_path / "report.md").read_text()
-    assert "Command: `fedax reproduce fad-client-weights --quick` (quick subset)" in report
-    assert all(f"| {name} |" in report for name in methods)
-    assert "![client weights](client_weights.png)" in report
+    tables = _tables(report)
+    assert all(any(line.startswith(f"| {name} |") for line in tables) for name in methods)
+    assert "| learned (soft-error holdout) | all (contaminated) | soft error |" in report
+    assert tables[-1].endswith("| yes |") and "30%" in report
     assert (tmp_path / "client_weights.png").stat().st_size > 0
 
 
-def test_registered():
+def test_registered_and_the_lattice_of_server_rates():
     assert {"fad-server-lr", "fad-client-weights"} <= set(EXPERIMENTS)
+    assert [fsl.lattice(k) for k in range(-2, 3)] == [0.1, 0.316, 1.0, 3.16, 10.0]

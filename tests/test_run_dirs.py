@@ -15,7 +15,8 @@ from conftest import TINY_CONFIG, run_fedax
 
 from fedax.cli.main import main
 from fedax.experiments import run as experiment
-from fedax.experiments.outputs import accuracy_figure, dumps, with_status, write_atomic
+from fedax.experiments.outputs import accuracy_figure, dumps, with_status
+from fedax.io import write_atomic
 from fedax.simulation import History
 
 
@@ -125,27 +126,35 @@ def _demo_args(out, *extra):
 
 
 def test_demo_twice_into_the_same_out_reuses_finished_runs(tmp_path, capsys):
+    """The demo is a reproduction (the 2NN table's non-IID quick cells): its runs live in
+    OUT/runs/<cell>/lr_<lr>/, a second invocation reuses them all and writes the same
+    table, a run of another config is refused until --overwrite."""
     out = tmp_path / "demo"
     assert main(_demo_args(out)) == 0
-    runs = {name: snapshot(out / name) for name in ("mnist_2nn_noniid_fedsgd",
-                                                    "mnist_2nn_noniid_fedavg")}
-    table = (out / "table.md").read_text()
-    capsys.readouterr()
+    runs = snapshot(out / "runs")
+    assert {str(Path(k).parent) for k in runs if k.endswith("summary.json")} == {
+        "fedsgd-e1-binf-pathological/lr_0.464", "fedavg-e1-b10-pathological/lr_0.215",
+        "fedavg-e1-b10-pathological/lr_0.1"}
+    report = (out / "report.md").read_text()
+    table = [line for line in report.splitlines() if line.startswith("|")]
+    assert table[2].startswith("| FedSGD | 1 | inf | non-IID | 0.464 |") and len(table) == 4
+    said = capsys.readouterr().out
+    assert "\n".join(table) in said
 
     assert main(_demo_args(out)) == 0
-    said = capsys.readouterr().out
-    assert said.count("reusing the finished run") == 2
-    assert {name: snapshot(out / name) for name in runs} == runs
-    assert (out / "table.md").read_text() == table
+    assert capsys.readouterr().out.count("(reused)") == 3
+    assert snapshot(out / "runs") == runs
+    assert [line for line in (out / "report.md").read_text().splitlines()
+            if line.startswith("|")] == table
 
     before = snapshot(out)
-    assert main(_demo_args(out, "rounds=3")) == 2  # another config: refused, nothing changed
+    assert main(_demo_args(out, "client_fraction=0.5")) == 2  # another config: refused
     line = last_line(capsys.readouterr().err)
     assert line.startswith("fedax: error:") and "--overwrite" in line
     assert snapshot(out) == before
-    assert main([*_demo_args(out, "rounds=3"), "--overwrite"]) == 0
-    summary = json.loads((out / "mnist_2nn_noniid_fedavg" / "summary.json").read_text())
-    assert summary["rounds_run"] == 3
+    assert main([*_demo_args(out, "client_fraction=0.5"), "--overwrite"]) == 0
+    summary = summary_of(out / "runs" / "fedavg-e1-b10-pathological" / "lr_0.215")
+    assert summary["config"]["client_fraction"] == 0.5
 
 
 def test_records_and_summaries_are_strict_json():
@@ -373,16 +382,13 @@ def test_the_command_a_ctrl_c_of_the_demo_suggests_runs_as_printed(tmp_path, cap
     assert main(args) == 130
     restore()
     line = error_line(capsys)
-    assert line.startswith("fedax: interrupted: FedSGD run stopped after round 1")
+    assert line.startswith("fedax: interrupted: stopped; continue with: fedax demo")
     (command,) = suggestions(line)
     assert command[:3] == ["demo", "--out", "demo"]
-    if not every:  # it says to delete the run first
-        assert "it has no checkpoint: delete demo/mnist_2nn_noniid_fedsgd, then" in line
-        shutil.rmtree("demo/mnist_2nn_noniid_fedsgd")
     assert main(command) == 0
-    fedsgd = summary_of("demo/mnist_2nn_noniid_fedsgd")
+    fedsgd = summary_of("demo/runs/fedsgd-e1-binf-pathological/lr_0.464")
     assert fedsgd["rounds_run"] == 2 and fedsgd["resumed_from_round"] == (1 if every else None)
-    assert Path("demo/table.md").is_file()
+    assert Path("demo/report.md").is_file()
 
 
 def test_a_command_that_fails_before_a_result_leaves_no_directory_it_created(here, capsys):

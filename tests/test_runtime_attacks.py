@@ -176,6 +176,26 @@ def test_client_secret_is_256_bits_atomic_and_private(tmp_path):
         load_or_make_secret(path)
 
 
+def test_dev_pki_secrets_are_private_and_its_files_whole(pki):
+    """``make_dev_pki`` writes through ``fedax.io``: the server key and every token are the
+    owner's only (0600), the registry is the JSON it always was, no temporary file is left."""
+    from pathlib import Path
+
+    from fedax.runtime import Registry
+
+    directory = Path(pki["key"]).parent
+    tokens = directory / "tokens"
+    assert stat.S_IMODE(os.stat(pki["key"]).st_mode) == 0o600
+    for k, token in pki["tokens"].items():
+        assert (tokens / f"{k}.token").read_text() == token
+        assert stat.S_IMODE(os.stat(tokens / f"{k}.token").st_mode) == 0o600
+    clients = Registry.load(pki["registry"]).clients
+    data = {"clients": {str(k): {"sha256": h, "revoked": r} for k, (h, r) in clients.items()}}
+    assert Path(pki["registry"]).read_text() == json.dumps(data, indent=1) + "\n"
+    assert sorted(clients) == sorted(pki["tokens"])
+    assert not [p.name for p in directory.rglob(".*")]
+
+
 # ------------------------------------------------------------------ bounds re-checked
 
 

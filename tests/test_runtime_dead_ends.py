@@ -39,7 +39,7 @@ from fedax.runtime import (
     make_dev_pki,
     server_status,
 )
-from fedax.runtime.client import _grpc_problem
+from fedax.runtime.connection import grpc_problem
 from fedax.runtime.security import probe, split_address
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -317,9 +317,9 @@ def test_causes_from_grpc_errors():
             ("TLS verification failed", False),
     }
     for details, (cause, retry) in cases.items():
-        got = _grpc_problem(_RpcError(unavailable, details), "h:1")
+        got = grpc_problem(_RpcError(unavailable, details), "h:1")
         assert got[0].startswith(cause) and got[2] is retry, got
-    got = _grpc_problem(_RpcError(grpc.StatusCode.UNIMPLEMENTED, "Method not found"), "h:1")
+    got = grpc_problem(_RpcError(grpc.StatusCode.UNIMPLEMENTED, "Method not found"), "h:1")
     assert got[0].startswith("the server there is not a fedax server") and not got[2]
 
 

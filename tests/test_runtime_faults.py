@@ -42,7 +42,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 # A process hosting client stubs that take their task and then hang (until killed).
 HANGING_STUBS = """
 import sys, time
-from fedax.runtime.client import Connection
+from fedax.runtime.connection import Connection
 from fedax.runtime.security import ClientTLS
 port, ca, tokens = sys.argv[1], sys.argv[2], sys.argv[3:]
 conns = []

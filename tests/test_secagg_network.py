@@ -199,14 +199,14 @@ def test_a_client_refuses_a_setup_a_lying_server_could_exploit(pki, parts):
     """A Setup whose threshold is not above half of num_shares (with which a server that
     says a survivor dropped could collect both its shares) is refused before the client
     trains or answers; so is one for another client."""
-    from fedax.runtime.client import _built
+    from fedax.runtime.client_task import built
     from fedax.runtime.secagg import SecAggParams, Setup
     from fedax.runtime.secure_task import pack
 
     task = secure_task()
     server = make_server(task, pki)
     r = server._open_secure(0, 0, list(range(7)))
-    b = _built(task.to_json())
+    b = built(task.to_json())
     client = Client(client_config(pki, 1, 0), *parts[0])
     for setup, words in [(Setup(SecAggParams(7, 7, 3, 32, b["secure"].length, b"s"), 0,
                                 (1, 2, 3, 4, 5, 6)), "threshold 3 is not above half"),

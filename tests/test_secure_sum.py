@@ -68,6 +68,22 @@ def test_modular_sum_wraps_around_like_numpy():
         fed.modular_sum(jnp.asarray(q, jnp.int32), 10)
 
 
+def test_the_jvp_rules_make_symbolic_zero_tangents():
+    """A JVP rule's zero tangent for an integer output is made with this JAX's API
+    (``ad.Zero.from_primal_value`` is gone from JAX 0.10), eagerly and traced."""
+    from jax.interpreters import ad
+
+    from fedax.federated import _secure
+
+    q = jnp.arange(12, dtype=jnp.uint32).reshape(3, 4)
+    out, tangent = _secure._modular_sum_jvp((q,), (None,), bits=10)
+    assert type(tangent) is ad.Zero and tangent.aval.shape == (4,)
+    np.testing.assert_array_equal(out, np.asarray(q).sum(0))
+    traced = []
+    jax.jit(lambda q: traced.append(_secure._modular_sum_jvp((q,), (None,), bits=10)[1]))(q)
+    assert type(traced[0]) is ad.Zero and traced[0].aval.shape == (4,)
+
+
 def test_too_few_bits_for_the_cohort_is_one_line():
     spec = SecureSum(clip=1.0, bits=8, levels=20)
     with pytest.raises(ValueError, match=r"secure sum of 10 clients with 8 bits wraps.*"

@@ -8,7 +8,7 @@ import pytest
 
 from fedax.data import ClientData, DataUnavailableError, make_cohort
 from fedax.data import shakespeare as sh
-from fedax.data._cache import directory_source
+from fedax.data._sources import directory_source
 
 # Two tiny plays and a poem in the layout of the Folger text: works separated by "****",
 # headings underlined with "=", speaker tags in capitals (alone, before two spaces, before a

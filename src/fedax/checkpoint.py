@@ -31,7 +31,9 @@ to the one before when it is damaged.
 Files of the runtime written before this module (frame ``b"FEDAXRT\\0" | sha256 | payload``,
 leaves {path, dtype, shape, data} with typed PRNG keys as their raw key data) still read.
 
-This module imports JAX, NumPy and msgpack, and nothing of fedax's layers.
+Files are written by ``fedax.io.write_atomic`` and payloads packed by ``fedax.io.pack``
+(strict msgpack: str keys, no ext types); ``pack`` is importable from here too. This module
+imports JAX, NumPy and ``fedax.io``, and nothing of fedax's layers.
 """
 
 from __future__ import annotations
@@ -40,15 +42,15 @@ import contextlib
 import hashlib
 import os
 import struct
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import msgpack
 import numpy as np
+
+from fedax.io import pack, unpack, write_atomic
 
 FORMAT_VERSION = 1
 MAGIC = b"FEDAXCK\0"
@@ -200,9 +202,10 @@ def decode_state(encoded: Sequence[Mapping[str, Any]], template: Any,
                     f"{what} leaf {path} is {_describe(leaf)}, but this run's state has "
                     f"{_describe(want)} there"
                 )
-            value = _array(leaf)
+            raw = _array(leaf)
+            value: jax.Array | np.ndarray = raw
             if leaf["key_impl"] is not None:
-                value = jax.random.wrap_key_data(value, impl=key_impl(tmpl))
+                value = jax.random.wrap_key_data(jnp.asarray(raw), impl=key_impl(tmpl))
                 if list(value.shape) != want["shape"]:
                     raise ValueError("key data has the wrong shape")
             elif leaf["weak_type"]:
@@ -232,22 +235,11 @@ def arrays_sha256(*arrays: np.ndarray) -> str:
     for a in arrays:
         a = np.asarray(a, order="C")
         h.update(f"{a.dtype.str}|{a.shape}|".encode())
-        h.update(memoryview(a).cast("B"))
+        h.update(a.data.cast("B"))
     return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------- files
-
-
-def _default(obj: Any) -> Any:
-    if isinstance(obj, np.generic):
-        return obj.item()
-    raise TypeError(f"cannot store {type(obj).__name__} in a checkpoint")
-
-
-def pack(payload: Mapping[str, Any]) -> bytes:
-    """``payload`` as msgpack (NumPy scalars as Python numbers), the form it is stored in."""
-    return msgpack.packb(dict(payload), use_bin_type=True, default=_default)
 
 
 def frame(body: bytes) -> bytes:
@@ -255,44 +247,10 @@ def frame(body: bytes) -> bytes:
     return _HEADER.pack(MAGIC, FORMAT_VERSION, len(body), hashlib.sha256(body).digest()) + body
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. platforms without directory file descriptors
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_synced(fd: int, blob: bytes) -> None:
-    """Writes ``blob`` to the open file ``fd``, fsyncs and closes it."""
-    with os.fdopen(fd, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_file(path: str | os.PathLike[str], payload: Mapping[str, Any]) -> Path:
     """Writes ``payload`` (a map of msgpack-able values; pytrees as :func:`encode_state`
     lists) to ``path`` atomically, mode 0600 (see the module docstring); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    blob = frame(pack(payload))
-    # mkstemp creates the file with mode 0600: readable by its owner only, from the start.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        _write_synced(fd, blob)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-    return path
+    return write_atomic(path, frame(pack(dict(payload))), mode=0o600)
 
 
 def _body(path: Path, blob: bytes) -> bytes:
@@ -338,10 +296,10 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except OSError as err:
         raise CheckpointError(f"cannot read checkpoint {path}: {err.strerror}") from None
     try:
-        payload = msgpack.unpackb(_body(path, blob), raw=False)
-    except CheckpointError:
-        raise
-    except Exception as err:  # msgpack raises several types for malformed input
+        payload = unpack(_body(path, blob))
+    except ValueError as err:  # CheckpointError is one
+        if isinstance(err, CheckpointError):
+            raise
         raise CheckpointError(f"checkpoint {path} has a malformed payload: {err}") from None
     if not isinstance(payload, dict):
         raise CheckpointError(f"checkpoint {path} has a malformed payload (a "

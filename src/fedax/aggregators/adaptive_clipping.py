@@ -162,7 +162,8 @@ def dp_adaptive_gaussian(
             value = _add_noise(value_key, value, z_value * clip, "dp_adaptive_gaussian")
         value = jax.tree.map(lambda v: v / jnp.asarray(m, v.dtype), value)
         count = stats["below"]
-        if sigma_b > 0:
+        if sigma_b > 0:  # then z_value > 0: _add_noise has refused a None key
+            assert count_key is not None
             count = count + sigma_b * jax.random.normal(count_key, (), jnp.float32)
         unclipped = jnp.clip(count / m + 0.5, 0.0, 1.0)
         if geometric:

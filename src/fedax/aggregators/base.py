@@ -37,9 +37,11 @@ import jax.numpy as jnp
 
 from fedax import federated as fed
 
-ClientFn = Callable[[Any, jax.Array, Any, jax.Array], tuple[Any, jax.Array, Any]]
-ReduceFn = Callable[[Any, jax.Array, Any, jax.Array], tuple[Any, dict[str, jax.Array]]]
-ServerFn = Callable[[Any, Any, Any, jax.Array], tuple[Any, Any, dict[str, jax.Array]]]
+# The key is None when the caller passes none (``_split``): a stage that needs randomness
+# then fails on it.
+ClientFn = Callable[[Any, jax.Array, Any, jax.Array | None], tuple[Any, jax.Array, Any]]
+ReduceFn = Callable[[Any, jax.Array, Any, jax.Array | None], tuple[Any, dict[str, jax.Array]]]
+ServerFn = Callable[[Any, Any, Any, jax.Array | None], tuple[Any, Any, dict[str, jax.Array]]]
 
 
 class Aggregator(NamedTuple):
@@ -92,7 +94,8 @@ def client_stage(
     ``client_keys[i]`` (raw key data; None: no keys). Returns ``(values, weights,
     stats)`` with ``stats`` summed (``fed.sum``) over the clients where ``keep`` is True
     (default: all); without a client stage, the inputs and None."""
-    if aggregator.client is None:
+    client = aggregator.client
+    if client is None:
         return values, weights, None
     num_clients = weights.shape[0]
     # The state goes down with a broadcast; a stateless aggregator's () has nothing to
@@ -105,12 +108,12 @@ def client_stage(
 
     if client_keys is None:
         values, weights, stats = fed.map_clients(
-            lambda v, w, *s: aggregator.client(v, w, with_state(s), None),
+            lambda v, w, *s: client(v, w, with_state(s), None),
             values, weights, *at_clients)
     else:
         def one(value, weight, raw_key, *client_state):
-            return aggregator.client(value, weight, with_state(client_state),
-                                     jax.random.wrap_key_data(raw_key))
+            return client(value, weight, with_state(client_state),
+                          jax.random.wrap_key_data(raw_key))
 
         values, weights, stats = fed.map_clients(one, values, weights, client_keys,
                                                  *at_clients)
@@ -128,12 +131,22 @@ def reduce_stage(
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """The reduction and server stage of ``aggregator`` after its client stage (``stats``:
     the summed client-stage stats). Returns ``(value, state, metrics)``."""
-    value, metrics = aggregator.reduce(values, weights, state, reduce_key)
+    value, metrics = _reduction(aggregator)(values, weights, state, reduce_key)
     metrics = dict(metrics)
     if aggregator.server is not None:
         value, state, more = aggregator.server(value, stats, state, server_key)
         metrics = _merge(metrics, more)
     return value, state, metrics
+
+
+def _reduction(aggregator: Aggregator) -> ReduceFn:
+    """The ``reduce`` of a complete aggregator; a stage alone has none."""
+    if aggregator.reduce is None:
+        raise ValueError(
+            "this aggregator has no reduction (it is a stage): chain it with one, e.g. "
+            "fedax.aggregators.chain(stage, fedax.aggregators.mean())."
+        )
+    return aggregator.reduce
 
 
 def round_keys(key: jax.Array | None, num_clients: int):
@@ -153,11 +166,7 @@ def aggregate(
     ``client_stage`` with the keys of ``round_keys``, then ``reduce_stage``. Returns
     ``(value, state, metrics)``, ``value`` server-placed.
     """
-    if aggregator.reduce is None:
-        raise ValueError(
-            "this aggregator has no reduction (it is a stage): chain it with one, e.g. "
-            "fedax.aggregators.chain(stage, fedax.aggregators.mean())."
-        )
+    _reduction(aggregator)  # a stage alone is refused before anything runs
     client_keys, reduce_key, server_key = round_keys(key, weights.shape[0])
     if aggregator.client is None:
         client_keys = None  # split nothing more than before (same keys downstream)
@@ -196,28 +205,28 @@ def chain(*parts: Aggregator) -> Aggregator:
             f"chain part {late[0]} has a client stage after the reduction (part {r}); put "
             "client stages before it."
         )
-    clients = [i for i, p in enumerate(parts) if p.client is not None]
-    servers = [i for i, p in enumerate(parts) if p.server is not None]
+    clients = [(i, p.client) for i, p in enumerate(parts) if p.client is not None]
+    servers = [(i, p.server) for i, p in enumerate(parts) if p.server is not None]
+    part_reduce = _reduction(parts[r])
 
     def init(template):
         return tuple(p.init(template) for p in parts)
 
     def client(value, weight, state, key):
         stats = {}
-        for i in clients:
-            value, weight, stats[i] = parts[i].client(
-                value, weight, state[i], _fold(key, i))
+        for i, part_client in clients:
+            value, weight, stats[i] = part_client(value, weight, state[i], _fold(key, i))
         return value, weight, stats
 
     def reduce(values, weights, state, key):
-        return parts[r].reduce(values, weights, state[r], _fold(key, r))
+        return part_reduce(values, weights, state[r], _fold(key, r))
 
     def server(value, stats, state, key):
-        state, metrics = list(state), {}
-        for i in servers:
+        state = list(state)
+        metrics: dict[str, Any] = {}
+        for i, part_server in servers:
             part_stats = None if stats is None else stats.get(i)
-            value, state[i], more = parts[i].server(
-                value, part_stats, state[i], _fold(key, i))
+            value, state[i], more = part_server(value, part_stats, state[i], _fold(key, i))
             metrics = _merge(metrics, more)
         return value, tuple(state), metrics
 

@@ -9,7 +9,7 @@ TFF's ``DistributedDpSumFactory``).
 2. flatten every leaf into one vector of d coordinates and zero-pad it to d' = 2^⌈log₂ d⌉;
 3. rotate: x ↦ (1/√d')·H·D·x, H the Walsh–Hadamard matrix, D random signs drawn from a key in
    the aggregator's state, *shared* by all clients and advanced by the server every round
-   (``fedax.aggregators.compression``'s rotation), so the sum can be un-rotated once;
+   (the rotation of ``fedax.aggregators.compressors``), so the sum can be un-rotated once;
 4. scale by s and round to integers by conditional randomized rounding: ⌊y⌋ + Bernoulli of
    the fractional part, redrawn (up to ``rounding_tries`` times) until the rounded vector's
    L2 norm is within the bound of ``distributed_dp_params`` (β = ``beta``). If every
@@ -83,7 +83,7 @@ from jax.interpreters import ad, batching, mlir
 
 from fedax import federated as fed
 from fedax.aggregators.base import Aggregator
-from fedax.aggregators.compression import rotation_signs, walsh_hadamard
+from fedax.aggregators.compressors import rotation_signs, walsh_hadamard
 from fedax.aggregators.discrete_noise import SAMPLERS
 from fedax.aggregators.distributed_dp_params import (
     MECHANISMS,
@@ -97,6 +97,7 @@ from fedax.aggregators.distributed_dp_params import (
 )
 from fedax.aggregators.dp import _non_negative, _positive
 from fedax.federated._audit import LOCAL_NOISE_PRIMITIVE
+from fedax.federated._secure import zero_tangent
 
 Mechanism = Literal["skellam", "discrete_gaussian"]
 MAX_SCALED = 2.0 ** 30  # client coordinates clipped here before rounding (int32 headroom)
@@ -157,7 +158,7 @@ def _local_noise_batch(args, dims, *, batch_ndim, **params):
 def _local_noise_jvp(primals, tangents, **params):
     del tangents  # integers: nothing to differentiate
     out = local_noise_p.bind(*primals, **params)
-    return out, ad.Zero.from_primal_value(out)
+    return out, zero_tangent(out)
 
 
 local_noise_p.def_impl(_local_noise_impl)

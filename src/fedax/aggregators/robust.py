@@ -198,8 +198,11 @@ def _squared_distances(stacked: Any) -> jax.Array:
     leaves = jax.tree.leaves(stacked)
     num = leaves[0].shape[0]
     mats = [leaf.reshape(num, -1).astype(jnp.float32) for leaf in leaves]
-    sq = sum(jnp.sum(m * m, axis=1) for m in mats)
-    gram = sum(jnp.matmul(m, m.T, precision=_HIGHEST) for m in mats)
+    sq = jnp.sum(mats[0] * mats[0], axis=1)
+    gram = jnp.matmul(mats[0], mats[0].T, precision=_HIGHEST)
+    for m in mats[1:]:
+        sq = sq + jnp.sum(m * m, axis=1)
+        gram = gram + jnp.matmul(m, m.T, precision=_HIGHEST)
     return jnp.maximum(sq[:, None] + sq[None, :] - 2 * gram, 0.0)
 
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from fedax import federated as fed
-from fedax.aggregators.base import Aggregator, no_state
+from fedax.aggregators.base import Aggregator, ReduceFn, no_state
 from fedax.aggregators.dp import _positive
 from fedax.federated import SecureSum
 
@@ -43,6 +43,11 @@ def secure_total(spec: SecureSum) -> Aggregator:
     client stage before it applies them)."""
     if not isinstance(spec, SecureSum):
         raise ValueError(f"secure_total needs a fedax.federated.SecureSum, got {spec!r}.")
+    return Aggregator(no_state, reduce=_total(spec), secure=spec)
+
+
+def _total(spec: SecureSum) -> ReduceFn:
+    """``secure_total``'s reduction."""
 
     def reduce(values, weights, state, key):
         del weights, state
@@ -50,7 +55,7 @@ def secure_total(spec: SecureSum) -> Aggregator:
             return fed.modular_sum(values, spec.bits), {}
         return fed.secure_sum(values, spec, key), {}
 
-    return Aggregator(no_state, reduce=reduce, secure=spec)
+    return reduce
 
 
 def secure_mean(clip: float, max_weight: float, *, bits: int = 32,
@@ -86,7 +91,7 @@ def secure_mean(clip: float, max_weight: float, *, bits: int = 32,
                                                 jnp.zeros((), v.dtype)), total[VALUE])
         return mean, state, {}
 
-    reduce = secure_total(spec).reduce
+    reduce = _total(spec)
 
     def reduce_with_step(values, weights, state, key):
         value, _ = reduce(values, weights, state, key)

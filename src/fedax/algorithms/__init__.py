@@ -283,6 +283,7 @@ __all__ = [
     "fedyogi",
     "federated_loss",
     "make",
+    "make_fednova",
     "proximal",
     "resolve_server_optimizer",
     "scaffold",

@@ -389,7 +389,7 @@ def cohort_round(
     """
     num_clients = cohort.num_examples.shape[0]
     at_clients = place_payload(pieces, state.server, num_clients, key)
-    extra = ()
+    extra: tuple[jax.Array, ...] = ()
     if pieces.keyed:
         if key is None:
             raise ValueError("this algorithm's clients draw random numbers (keyed client "
@@ -475,6 +475,7 @@ def compose(pieces: RoundPieces, num_clients: int | None = None) -> FederatedAlg
             raise ValueError(
                 "this state has no per-client table (made with init_state(pieces, params)): "
                 "run it with cohort_round and the cohort's client states.")
+        assert num_clients is not None  # (a positive int with per-client state: checked)
         ids = cohort.client_ids
         gathered = jax.tree.map(lambda column: column[ids], state.clients)
         state, metrics, new_states, written = cohort_round(pieces, state, cohort, key,

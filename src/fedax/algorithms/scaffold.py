@@ -73,7 +73,8 @@ class ScaffoldServer(NamedTuple):
     control: Any
 
 
-def _vdot(a: Any, b: Any) -> jax.Array:
+def _vdot(a: Any, b: Any) -> jax.Array | int:
+    """Σ over the leaves of ⟨a, b⟩ (the int 0 for trees without leaves)."""
     return sum(jax.tree.leaves(jax.tree.map(lambda u, v: jnp.sum(u * v), a, b)))
 
 

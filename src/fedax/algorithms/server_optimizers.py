@@ -98,6 +98,7 @@ def _fed_adaptive(
         del params
         m = jax.tree.map(lambda mm, g: b1 * mm + (1.0 - b1) * g, state.m, updates)
         v = jax.tree.map(lambda vv, g: second_moment(vv, jnp.square(g)), state.v, updates)
+        new_state: FedAMSGradState | FedAdaptiveState
         if amsgrad:
             v_hat = jax.tree.map(jnp.maximum, state.v_hat, v)
             new_state, denom = FedAMSGradState(m, v, v_hat), v_hat

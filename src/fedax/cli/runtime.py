@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import logging
 import os
 import secrets
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedax.experiments.errors import CommandError, ConfigError
+from fedax.io import finite_json, json_text, write_atomic
 
 
 def _one_line(command):
@@ -180,7 +180,7 @@ def cmd_server_init(args) -> int:
     n = data.train.num_clients
     with _staged(out, args.overwrite) as stage:
         make_dev_pki(stage, n, hosts)
-        (stage / "config.yaml").write_text(_config_text(config, source))
+        write_atomic(stage / "config.yaml", _config_text(config, source))
     print(f"wrote ca.pem, server.pem/.key, registry.json, tokens/0..{n - 1}.token and "
           f"config.yaml in {out}; start the server with: fedax server start --config "
           f"{out}/config.yaml, and each client with: fedax client --server HOST:PORT --ca "
@@ -240,8 +240,8 @@ def _start_from_config(args) -> int:
                "keep_checkpoints": args.keep_checkpoints,
                **({} if args.min_clients is None else {"min_clients": args.min_clients})}
     summary = run_network(config, out, resume=args.resume, server_options=options)
-    print(json.dumps({k: summary[k] for k in ("status", "rounds_run", "final_test_accuracy")},
-                     indent=1))
+    shown = {k: summary[k] for k in ("status", "rounds_run", "final_test_accuracy")}
+    print(json_text(finite_json(shown)[0], indent=1))  # strict JSON: a NaN is null
     return 0
 
 
@@ -308,7 +308,7 @@ def cmd_server_status(args) -> int:
 
     status = server_status(args.server, ClientTLS(args.ca, args.server_name),
                            timeout_s=args.timeout_s)
-    print(json.dumps(status, indent=1))
+    print(json_text(finite_json(status)[0], indent=1))
     return 0
 
 

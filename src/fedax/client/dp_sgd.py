@@ -57,7 +57,7 @@ from fedax.client.local_training import (
 )
 
 
-def _check(l2_clip, noise_multiplier) -> None:
+def _check(l2_clip: float | jax.Array, noise_multiplier: float | jax.Array) -> None:
     if isinstance(l2_clip, numbers.Real) and not l2_clip > 0:
         raise ValueError(f"DP-SGD needs l2_clip > 0, got {l2_clip!r}.")
     if isinstance(noise_multiplier, numbers.Real) and not noise_multiplier >= 0:

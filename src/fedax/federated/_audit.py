@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
+from jax.extend import core as jcore
 
 from fedax.federated._dp import CLIP_PRIMITIVE, NOISE_PRIMITIVE
+from fedax.federated._jaxpr_walk import sub_jaxprs
 from fedax.federated._secure import MODULAR_SUM_PRIMITIVE, SECURE_SUM_PRIMITIVE
 
 LOCAL_NOISE_PRIMITIVE = "federated_dp_local_noise"
@@ -70,31 +71,23 @@ class SumAudit(NamedTuple):
         return "dp" if self.private else "plain"
 
 
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(sub, "jaxpr", sub)
-            if isinstance(inner, jax.extend.core.Jaxpr):
-                yield inner
-
-
-def _audit(jaxpr, in_derivative: bool, found: list[SumAudit]) -> None:
-    producer, consumers = {}, {}
+def _audit(jaxpr: jcore.Jaxpr, in_derivative: bool, found: list[SumAudit]) -> None:
+    producer: dict[jcore.Var, jcore.JaxprEqn] = {}
+    consumers: dict[jcore.Var, list[jcore.JaxprEqn]] = {}
     for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            producer[v] = eqn
-        for v in eqn.invars:
-            if isinstance(v, jax.extend.core.Var):
-                consumers.setdefault(v, []).append(eqn)
-    outputs = {v for v in jaxpr.outvars if isinstance(v, jax.extend.core.Var)}
+        for out in eqn.outvars:
+            producer[out] = eqn
+        for arg in eqn.invars:
+            if isinstance(arg, jcore.Var):
+                consumers.setdefault(arg, []).append(eqn)
+    outputs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
     for eqn in jaxpr.eqns:
         stack = str(eqn.source_info.name_stack)
         derivative = in_derivative or "transpose(" in stack
         name = eqn.primitive.name
         if name in PLAIN or name in SECURE:
             operand, result = eqn.invars[0], eqn.outvars[0]
-            source = producer.get(operand) if isinstance(operand, jax.extend.core.Var) \
-                else None
+            source = producer.get(operand) if isinstance(operand, jcore.Var) else None
             multiplier = None
             if name == MODULAR_SUM_PRIMITIVE:
                 if source is not None and source.primitive.name == LOCAL_NOISE_PRIMITIVE \
@@ -108,10 +101,11 @@ def _audit(jaxpr, in_derivative: bool, found: list[SumAudit]) -> None:
                     stddevs = {u.params["stddev"] for u in uses}
                     if min(stddevs) > 0:
                         multiplier = min(stddevs) / source.params["clip"]
-            found.append(SumAudit(tuple(operand.aval.shape), derivative, multiplier is not None,
+            aval: Any = operand.aval  # a ShapedArray (AbstractValue declares no shape)
+            found.append(SumAudit(tuple(aval.shape), derivative, multiplier is not None,
                                   multiplier, stack, name in SECURE, name))
-        for sub in _sub_jaxprs(eqn):
-            _audit(sub, derivative, found)
+        for sub in sub_jaxprs(eqn):  # every sub-program, as comm_cost walks them
+            _audit(sub.jaxpr, derivative, found)
 
 
 def audit_sums(jaxpr: Any) -> list[SumAudit]:

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from jax.extend import core as jcore
 
+from fedax.federated._jaxpr_walk import sub_jaxprs
 from fedax.federated._primitives import broadcast_p, collect_p, distribute_p, sum_p
 from fedax.federated._secure import modular_sum_p, secure_broadcast_p, secure_sum_p
 
@@ -42,31 +43,32 @@ class CommCost(NamedTuple):
     aggregations: int
     unbounded_loops: int = 0
 
-    def __add__(self, other):  # type: ignore[override]
-        return CommCost(*(a + b for a, b in zip(self, other, strict=True)))
+    def __add__(self, other: CommCost) -> CommCost:  # type: ignore[override]
+        # (tuple's + concatenates any tuples; a cost adds costs field by field)
+        return CommCost(self.server_to_clients_bytes + other.server_to_clients_bytes,
+                        self.clients_to_server_bytes + other.clients_to_server_bytes,
+                        self.broadcasts + other.broadcasts,
+                        self.aggregations + other.aggregations,
+                        self.unbounded_loops + other.unbounded_loops)
 
     def scale(self, k: int) -> CommCost:
-        return CommCost(*(a * k for a in self[:4]), self.unbounded_loops)
+        return CommCost(self.server_to_clients_bytes * k, self.clients_to_server_bytes * k,
+                        self.broadcasts * k, self.aggregations * k, self.unbounded_loops)
 
 
 _ZERO = CommCost(0, 0, 0, 0, 0)
 
 
-def _nbytes(aval) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+def _count(aval: Any) -> int:
+    """Elements of a shaped aval (JAX's AbstractValue base class declares no shape)."""
+    return int(np.prod(aval.shape, dtype=np.int64))
 
 
-def _sub_jaxprs(value) -> list:
-    if isinstance(value, jcore.ClosedJaxpr):
-        return [value.jaxpr]
-    if isinstance(value, jcore.Jaxpr):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [j for v in value for j in _sub_jaxprs(v)]
-    return []
+def _nbytes(aval: Any) -> int:
+    return _count(aval) * np.dtype(aval.dtype).itemsize
 
 
-def _jaxpr_cost(jaxpr) -> CommCost:
+def _jaxpr_cost(jaxpr: jcore.Jaxpr) -> CommCost:
     total = _ZERO
     for eqn in jaxpr.eqns:
         prim = eqn.primitive
@@ -80,25 +82,26 @@ def _jaxpr_cost(jaxpr) -> CommCost:
             total += CommCost(_nbytes(eqn.outvars[0].aval), 0, 1, 0)
             continue
         if prim is secure_sum_p or prim is modular_sum_p:  # b bits a coordinate go up
-            count = int(np.prod(eqn.invars[0].aval.shape, dtype=np.int64))
+            count = _count(eqn.invars[0].aval)
             total += CommCost(0, -(-count * eqn.params["bits"] // 8), 0, 1)
             continue
-        name = prim.name
-        if name == "cond":
-            branch_costs = [_jaxpr_cost(b.jaxpr) for b in eqn.params["branches"]]
+        # Sub-programs (fedax.federated._jaxpr_walk): a scan body times its length, of a
+        # cond's branches the dearer, a while loop's body and condition once (and counted).
+        branch_costs: list[CommCost] = []
+        unbounded = False
+        for sub in sub_jaxprs(eqn):
+            cost = _jaxpr_cost(sub.jaxpr)
+            if sub.branch:
+                branch_costs.append(cost)
+            elif sub.trips is None:
+                total += cost
+                unbounded = True
+            else:
+                total += cost.scale(sub.trips)
+        if branch_costs:
             total += max(branch_costs, key=lambda c: c[0] + c[1])
-            continue
-        if name == "scan":
-            total += _jaxpr_cost(eqn.params["jaxpr"].jaxpr).scale(int(eqn.params["length"]))
-            continue
-        if name == "while":
-            body = _jaxpr_cost(eqn.params["body_jaxpr"].jaxpr)
-            body = body + _jaxpr_cost(eqn.params["cond_jaxpr"].jaxpr)
-            total += CommCost(*body[:4], body.unbounded_loops + 1)
-            continue
-        for value in eqn.params.values():
-            for sub in _sub_jaxprs(value):
-                total += _jaxpr_cost(sub)
+        if unbounded:
+            total += CommCost(0, 0, 0, 0, 1)
     return total
 
 

@@ -247,12 +247,13 @@ def _num_clients(tree) -> int:
     leaves = jax.tree.leaves(tree)
     if not leaves:
         raise ValueError("a client-placed value must have at least one array leaf.")
-    sizes = {jnp.shape(leaf)[0] if jnp.ndim(leaf) else None for leaf in leaves}
-    if None in sizes:
+    shapes = [jnp.shape(leaf) for leaf in leaves]
+    if any(not shape for shape in shapes):
         raise ValueError(
             "a client-placed value needs a leading clients axis on every leaf; "
             "got a scalar leaf. Use broadcast(x, n) to place a server value at the clients."
         )
+    sizes = {shape[0] for shape in shapes}
     if len(sizes) != 1:
         raise ValueError(
             f"client-placed leaves disagree on the number of clients: {sorted(sizes)}. "

@@ -108,9 +108,16 @@ class SecureSum:
                 f"lower secure.levels.")
         return levels
 
+    def _clip_range(self) -> float:
+        """c: the clip range of a secure sum of reals (a ``modular_sum``'s spec has none)."""
+        if self.clip is None:
+            raise ValueError("a secure sum without a clip range (a modular sum of integers) "
+                             "has no quantization step.")
+        return float(self.clip)
+
     def step(self, n: int) -> float:
         """Δ = c/L for ``n`` clients."""
-        return float(self.clip) / self.levels_for(n)
+        return self._clip_range() / self.levels_for(n)
 
 
 def _bits_needed(n: int, levels: int) -> int:
@@ -166,7 +173,7 @@ def encode_tree(tree: Any, raw_client_key: jax.Array, spec: SecureSum, n: int) -
     levels = spec.levels_for(n)
     leaves, treedef = jax.tree.flatten(tree)
     return jax.tree.unflatten(treedef, [
-        encode(leaf, leaf_key(raw_client_key, j), clip=float(spec.clip), levels=levels,
+        encode(leaf, leaf_key(raw_client_key, j), clip=spec._clip_range(), levels=levels,
                bits=spec.bits) for j, leaf in enumerate(leaves)])
 
 
@@ -208,11 +215,17 @@ def _fold_keys(keys, salt: int):
         jax.random.fold_in(jax.random.wrap_key_data(k), salt)))(keys)
 
 
+def zero_tangent(value: Any) -> ad.Zero:
+    """The symbolic zero tangent of a JVP rule's output ``value`` (``ad.Zero.
+    from_primal_value`` is gone from JAX 0.10)."""
+    return ad.Zero(value.aval.to_tangent_aval())
+
+
 def _secure_sum_jvp(primals, tangents, **params):
     (x, keys), (t, _) = primals, tangents
     out = secure_sum_p.bind(x, keys, **params)
     if type(t) is ad.Zero:
-        return out, ad.Zero.from_primal_value(out)
+        return out, zero_tangent(out)
     # the tangent upload is quantized too, with keys of its own
     return out, secure_sum_p.bind(t, _fold_keys(keys, 1), **params)
 
@@ -250,7 +263,7 @@ def _secure_broadcast_jvp(primals, tangents, **params):
     (x, keys), (t, _) = primals, tangents
     out = secure_broadcast_p.bind(x, keys, **params)
     if type(t) is ad.Zero:
-        return out, ad.Zero.from_primal_value(out)
+        return out, zero_tangent(out)
     return out, secure_broadcast_p.bind(t, keys, **params)
 
 
@@ -285,7 +298,7 @@ def _modular_sum_batch(args, dims, *, bits):
 def _modular_sum_jvp(primals, tangents, *, bits):
     del tangents
     out = modular_sum_p.bind(*primals, bits=bits)
-    return out, ad.Zero.from_primal_value(out)
+    return out, zero_tangent(out)
 
 
 secure_sum_p.def_impl(_secure_sum_impl)

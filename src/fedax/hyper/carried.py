@@ -3,8 +3,8 @@
 :func:`learned_server_lr_carried` carries the tangent d x_t / d log η across rounds
 (a truncated real-time forward-mode hypergradient, Franceschi et al. 2017), with decay γ;
 γ = 0 is the one-round hypergradient of :func:`fedax.hyper.learned_server_lr` with
-``mode="forward"``. The FAD server-LR experiment (``fedax.reproduce.fad_server_lr``) runs
-it as its horizon variants.
+``mode="forward"``. The FAD server-LR experiment (``fedax.reproduce.hooks.fad_server_lr``)
+runs it as its horizon variants.
 """
 
 from __future__ import annotations

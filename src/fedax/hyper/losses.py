@@ -4,7 +4,7 @@
 distribution: bounded, and linear in p, so on a population where most labels are right it
 is minimized by the confident majority answer (cross-entropy, a proper scoring rule, instead
 rewards hedging toward wrong labels). The FAD client-weights experiment
-(``fedax.reproduce.fad_client_weights``) uses it as a holdout objective of
+(``fedax.reproduce.hooks.fad_client_weights``) uses it as a holdout objective of
 ``fedax.hyper.learned_client_weights``.
 """
 

@@ -7,14 +7,13 @@
 
 No accountant is written here: ``accounting`` builds the dp-accounting event of the rounds
 (the subsampled Gaussian mechanism, user-level) and asks dp-accounting's RDP or PLD
-accountant for ε. Nothing here imports JAX or the rest of fedax.
+accountant for ε; ``ledger`` keeps a run's ε round by round, ``calibration`` finds z for a
+target ε. Nothing here imports JAX or the rest of fedax.
 """
 
 from fedax.privacy.accounting import (
     ACCOUNTANTS,
     SAMPLINGS,
-    ExampleLevelLedger,
-    PrivacyLedger,
     adaptive_clip_noise_multipliers,
     describe,
     dp_event,
@@ -30,6 +29,7 @@ from fedax.privacy.calibration import (
     search_noise_multiplier,
 )
 from fedax.privacy.distributed import distributed_epsilon  # noqa: E402
+from fedax.privacy.ledger import ExampleLevelLedger, PrivacyLedger
 
 __all__ = [
     "ACCOUNTANTS",

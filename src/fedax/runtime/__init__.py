@@ -5,7 +5,8 @@
   over-selection, deadlines, minimum reports and retries, report checks, checkpoints and
   resume (``fedax.runtime.server``);
 * ``Client`` / ``ClientConfig``: one client's data, per-client state and the algorithm's
-  client piece (``fedax.runtime.client``);
+  client piece (``fedax.runtime.client``); ``Connection``, ``server_status``: the RPC layer
+  under it (``fedax.runtime.connection``);
 * ``Task``: the algorithm, model and hyperparameters both sides build from
   (``fedax.runtime.task``);
 * ``ServerTLS``, ``ClientTLS``, ``Registry``, ``make_dev_pki``: TLS and client tokens
@@ -17,10 +18,10 @@ from __future__ import annotations
 import importlib
 
 _NAMES = {  # name -> the module that defines it; loaded on first use (PEP 562), so a
-    # light client stub (``fedax.runtime.client.Connection``) does not load JAX
-    "Client": "client", "ClientConfig": "client", "Connection": "client",
-    "Refused": "client", "Unreachable": "client", "local_batches": "client",
-    "server_status": "client",
+    # light client stub (``fedax.runtime.connection.Connection``) does not load JAX
+    "Client": "client", "ClientConfig": "client", "Connection": "connection",
+    "Refused": "connection", "Unreachable": "connection", "local_batches": "client_task",
+    "server_status": "connection",
     "ClientTLS": "security", "Registry": "security", "ServerTLS": "security",
     "make_dev_pki": "security", "read_token": "security",
     "RoundFailed": "rounds", "Server": "server", "ServerConfig": "config",

@@ -113,6 +113,7 @@ class AsyncServer(Server):
                     continue
                 batch = self._buffer[:self.buffered.buffer_size]
                 del self._buffer[:self.buffered.buffer_size]
+            assert started is not None  # (reports came back: a trip went out)
             self._apply(batch, started)
             started = time.monotonic()
         with self._lock:

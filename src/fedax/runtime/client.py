@@ -29,14 +29,14 @@ gRPC never attempts a handshake that cannot succeed. It retries with backoff (1,
 does not verify is not retried. Then it raises ``Unreachable``: ``cannot connect to
 HOST:PORT: <cause>; <what to do>``.
 
-``Connection`` is the thin RPC layer (TLS channel, token metadata, chunked streams); the
-load test's light client stubs and ``fedax status`` use it directly.
+``Connection`` (``fedax.runtime.connection``) is the thin RPC layer (TLS channel, token
+metadata, chunked streams); ``fedax.runtime.client_task`` builds the task's steps and the
+round batches (``local_batches``). This module re-exports both modules' public names.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import threading
@@ -48,203 +48,40 @@ import grpc
 import numpy as np
 
 from fedax.runtime import wire
+from fedax.runtime.client_task import BUILD_LOCK, built, local_batches
+from fedax.runtime.connection import (
+    RETRY,
+    Connection,
+    Refused,
+    Unreachable,
+    grpc_problem,
+    server_status,
+)
 from fedax.runtime.secure_client import SecureRounds
 from fedax.runtime.secure_task import STAGES
 from fedax.runtime.security import (  # noqa: F401 (train_key: this module's name too)
     ClientTLS,
-    Problem,
     load_or_make_secret,
-    metadata,
     probe,
     train_key,
 )
+
+__all__ = [
+    "PENDING",
+    "STATE",
+    "Client",
+    "ClientConfig",
+    "Connection",
+    "Refused",
+    "Unreachable",
+    "local_batches",
+    "server_status",
+]
 
 log = logging.getLogger("fedax.runtime.client")
 
 STATE = "client_state.msgpack"
 PENDING = "pending_state.msgpack"
-
-
-class Refused(PermissionError):
-    """The server refused this client (unknown, wrong token or revoked)."""
-
-
-class Unreachable(ConnectionError):
-    """The server cannot be reached: ``cannot connect to ADDRESS: CAUSE; FIX``."""
-
-    def __init__(self, address: str, cause: str, fix: str):
-        super().__init__(f"cannot connect to {address}: {cause}; {fix}")
-        self.address, self.cause, self.fix = address, cause, fix
-
-
-def _grpc_problem(err: grpc.RpcError, address: str) -> Problem:
-    """``(cause, fix, worth retrying)`` from a failed call's status (when ``probe`` could
-    not look: a proxy, a ``dns:///`` target, or the server went away after it looked)."""
-    code = err.code()
-    details = " ".join((err.details() or "").split())
-    low = details.lower()
-    if code == grpc.StatusCode.UNIMPLEMENTED:
-        return (f"the server there is not a fedax server ({details})",
-                "check the port in the server address (--server)", False)
-    if "connection refused" in low:
-        return "connection refused", "check that the server runs and the port", True
-    if "resolv" in low or "dns" in low or "domain name not found" in low:
-        return (f"unknown host ({details[:200]})",
-                "check the host name in the server address (--server)", True)
-    if "certificate" in low:
-        return (f"TLS verification failed ({details[-200:]})",
-                "pass the CA that signed the server's certificate with --ca, and connect by "
-                "a name the certificate lists (or pass --server-name)", False)
-    if "handshake" in low or "ssl" in low or "tls" in low:
-        return (f"TLS handshake failed ({details[-200:]})",
-                f"check that {address} is a fedax server's port (it speaks TLS only)", True)
-    return (f"{code.name}: {details[:200]}" if details else code.name,
-            "check that the server runs and the address", True)
-
-
-class Connection:
-    """RPCs to a fedax server over TLS as one client (``metadata`` on every call)."""
-
-    def __init__(self, address: str, tls: ClientTLS, client_id: int, token: str,
-                 chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, timeout_s: float = 30.0,
-                 max_chunk_bytes: int = 4 << 20):
-        # The receive limit is the largest piece this client takes; it says so at Join and
-        # the server cuts its messages to the size it answers (at most this).
-        self.max_chunk_bytes = int(max_chunk_bytes)
-        options = wire.grpc_options(max(self.max_chunk_bytes, chunk_bytes))
-        if tls.server_name:
-            options.append(("grpc.ssl_target_name_override", tls.server_name))
-        self.channel = grpc.secure_channel(address, tls.credentials(), options=options)
-        self.client_id, self.chunk_bytes, self.timeout_s = int(client_id), chunk_bytes, timeout_s
-        self._meta = metadata(client_id, token)
-        calls = {}
-        for name, (req, resp, req_stream, resp_stream) in wire.METHODS.items():
-            make = {(False, False): self.channel.unary_unary,
-                    (False, True): self.channel.unary_stream,
-                    (True, False): self.channel.stream_unary}[(req_stream, resp_stream)]
-            calls[name] = make(f"/{wire.SERVICE}/{name}", request_serializer=req.SerializeToString,
-                               response_deserializer=resp.FromString)
-        self._calls = calls
-
-    def join(self) -> Any:
-        """The server's ``JoinReply`` (the task, the chunk size both sides use, which this
-        connection adopts)."""
-        meta = (*self._meta, (wire.MAX_CHUNK_KEY, str(self.max_chunk_bytes)))
-        reply = self._calls["Join"](wire.JoinRequest(client_id=self.client_id),
-                                    metadata=meta, timeout=self.timeout_s)
-        if reply.chunk_bytes > 0:
-            self.chunk_bytes = min(int(reply.chunk_bytes), self.max_chunk_bytes)
-        return reply
-
-    def poll(self, max_bytes: int = 256 << 20) -> Any:
-        """The server's envelope: ``task``, ``wait`` or ``done``."""
-        stream = self._calls["Poll"](wire.PollRequest(client_id=self.client_id),
-                                     metadata=self._meta, timeout=self.timeout_s)
-        return wire.join_chunks(stream, max_bytes)
-
-    def submit(self, envelope: Any, chunks: Any = None) -> Any:
-        """Stream ``envelope`` (or other ready ``chunks``, under ``envelope``'s header) to
-        the server; its ``SubmitReply``. The call's metadata names the report's round,
-        attempt, model version and nonce (``wire.report_metadata``)."""
-        if chunks is None:
-            chunks = wire.chunks(envelope, self.chunk_bytes)
-        meta = (*self._meta, *wire.report_metadata(envelope))
-        return self._calls["Submit"](iter(chunks), metadata=meta, timeout=self.timeout_s)
-
-    def status(self) -> dict[str, Any]:
-        import json
-
-        reply = self._calls["Status"](wire.StatusRequest(), metadata=self._meta,
-                                      timeout=self.timeout_s)
-        return json.loads(reply.json)
-
-    def close(self) -> None:
-        self.channel.close()
-
-
-def server_status(address: str, tls: ClientTLS, timeout_s: float = 5.0) -> dict[str, Any]:
-    """The server's status (state, rounds done, alive clients, the open round, the last
-    round's log); needs TLS, no client token."""
-    problem = probe(address, tls, timeout_s)
-    if problem is not None:
-        raise Unreachable(address, *problem[:2])
-    conn = Connection(address, tls, 0, "", timeout_s=timeout_s)
-    try:
-        return conn.status()
-    except grpc.RpcError as err:
-        if err.code() not in _RETRY + (grpc.StatusCode.UNIMPLEMENTED,):
-            raise
-        raise Unreachable(address, *_grpc_problem(err, address)[:2]) from None
-    finally:
-        conn.close()
-
-
-def local_batches(x: np.ndarray, y: np.ndarray, local_epochs: int, batch_size: float,
-                  seed: int, t: int, client_id: int, num_steps: int | None = None):
-    """Client ``client_id``'s batches for round t from its own examples: ``(x [S, B, ...],
-    y [S, B, ...], mask [S, B], n_k)`` as NumPy (x float32, or int32 token ids; y int32),
-    shuffled with ``default_rng([seed, t, client_id])`` (``fedax.data.make_cohort`` on a
-    one-client ``ClientData``), the simulator's per-client stream."""
-    from fedax.data import ClientData, make_cohort
-
-    n = len(y)
-    data = ClientData(x, y, np.arange(n, dtype=np.int64), np.array([0, n], np.int64))
-    cohort = make_cohort(data, np.array([0]), local_epochs, batch_size,
-                         np.random.default_rng([seed, t, client_id]), num_steps=num_steps)
-    idx, mask = cohort.idx[0], cohort.mask[0]
-    x = np.asarray(x)
-    dtype = np.int32 if np.issubdtype(x.dtype, np.integer) else np.float32
-    return (x[idx].astype(dtype), np.asarray(y)[idx].astype(np.int32), mask,
-            np.float32(cohort.num_examples[0]))
-
-
-_BUILD_LOCK = threading.Lock()
-
-
-def _built(task_json: str):
-    """``_build`` once per process and task, whichever client thread asks first."""
-    with _BUILD_LOCK:
-        return _build(task_json)
-
-
-@functools.lru_cache(maxsize=8)
-def _build(task_json: str):
-    """The task's pieces, templates and compiled client step (once per process and task,
-    so client stubs sharing a process share one compilation)."""
-    import jax
-
-    from fedax.runtime import store
-    from fedax.runtime.secure_task import secure_steps
-    from fedax.runtime.task import (
-        Task,
-        build,
-        client_step,
-        encodes,
-        key_data_template,
-        payload_template,
-    )
-
-    task = Task.from_json(task_json)
-    built = build(task)
-    pieces = built.pieces
-    staged = encodes(task) or pieces.aggregator.secure is not None  # it runs the stage
-    template = payload_template(pieces, built.params, staged)
-    step = jax.jit(functools.partial(client_step, pieces))
-    state_template = None
-    if pieces.client_state is not None:
-        state_template = jax.eval_shape(pieces.client_state, built.params)
-    from fedax.runtime.holdout import eval_step, holdout_step, holdout_template
-
-    sent_params = holdout_template(built.params)
-    holdout = {"eval_sent": {"payload": {"params": sent_params["payload"]["params"]}},
-               "eval_step": jax.jit(functools.partial(eval_step, built.apply))}
-    if built.learned is not None:
-        holdout.update(holdout_sent=sent_params,
-                       holdout_step=jax.jit(functools.partial(holdout_step, built.loss)))
-    return {"task": task, "pieces": pieces, "params": built.params, **holdout,
-            "sent": store.raw_template(template), "sent_typed": template,
-            "key": key_data_template(), "step": step, "state_template": state_template,
-            **secure_steps(task, pieces, built.params)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,11 +114,6 @@ class ClientConfig:
     max_message_bytes: int = 256 << 20
     timeout_s: float = 30.0
     delay_s: float = 0.0
-
-
-_RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-          grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-          grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 
 
 class Client:
@@ -334,7 +166,7 @@ class Client:
     def _settle(self, b, env) -> None:
         """Commit or drop the pending state per the server's ``included_*``."""
         state_path, pending_path = self._paths()
-        if pending_path is None or not pending_path.exists():
+        if state_path is None or pending_path is None or not pending_path.exists():
             return
         from fedax.runtime import store
 
@@ -385,9 +217,9 @@ class Client:
                     code = err.code()
                     if code == grpc.StatusCode.UNAUTHENTICATED:
                         raise self._refused(err) from None
-                    if code not in _RETRY + (grpc.StatusCode.UNIMPLEMENTED,):
+                    if code not in RETRY + (grpc.StatusCode.UNIMPLEMENTED,):
                         raise
-                    problem = _grpc_problem(err, cfg.address)
+                    problem = grpc_problem(err, cfg.address)
             cause, fix, retry = problem
             elapsed = time.monotonic() - start
             if not retry or elapsed >= limit - 0.1:
@@ -415,14 +247,14 @@ class Client:
                 code = err.code()
                 if code == grpc.StatusCode.UNAUTHENTICATED:
                     raise self._refused(err) from None
-                if code not in _RETRY or self.stop.is_set():
+                if code not in RETRY or self.stop.is_set():
                     raise
                 failure: grpc.RpcError | wire.WireError = err
             except wire.WireError as err:  # a poll stream cut short: the server went away
                 failure = err
             if time.monotonic() - start > cfg.reconnect_s:
                 problem = probe(cfg.address, cfg.tls) or (
-                    _grpc_problem(failure, cfg.address) if isinstance(failure, grpc.RpcError)
+                    grpc_problem(failure, cfg.address) if isinstance(failure, grpc.RpcError)
                     else (str(failure), "check that the server runs", True))
                 raise Unreachable(cfg.address, f"{problem[0]} (for {cfg.reconnect_s:g} s)",
                                   problem[1]) from None
@@ -444,7 +276,7 @@ class Client:
             reply = self._connect(conn)
             if reply is None:
                 return self.rounds
-            b = _built(reply.task_json)
+            b = built(reply.task_json)
             self._warm_up(b)
             log.info("client %d joined %s", cfg.client_id, cfg.address)
             while not self.stop.is_set():
@@ -487,10 +319,11 @@ class Client:
 
         zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), b["sent"])
         sent = store.typed(zeros, b["sent_typed"])
-        step, extra = b["step"], ()  # a secure task's: for the n it expects (secure_steps)
+        step = b["step"]
+        extra: tuple[Any, ...] = ()  # a secure task's: for the n it expects (secure_steps)
         if b["secure"] is not None and b["secure_n"] is not None:
             step, extra = b["secure_step"](b["secure_n"]), (zeros["stage"]["key"],)
-        with _BUILD_LOCK:
+        with BUILD_LOCK:
             jax.block_until_ready(step(*self._inputs(b, 0, sent), *extra))
 
     def _work(self, conn: Connection, b, env) -> None:
@@ -540,6 +373,7 @@ class Client:
             return None
         if new_state is not None:
             _, pending_path = self._paths()
+            assert pending_path is not None  # (_load_state wants a state_dir for a state)
             store.save(pending_path, {"round": t, "attempt": int(env.attempt),
                                       "task_sha256": task.sha256(),
                                       "state": store.encode(new_state)})

@@ -32,13 +32,14 @@ from fedax.runtime.holdout import (
     holdout_report_template,
     require_lr,
 )
-from fedax.runtime.rounds import OpenRound, RoundFailed, select, selection_words
+from fedax.runtime.rounds import PhaseRound, RoundFailed, select, selection_words
+from fedax.runtime.server_base import ServerBase
 from fedax.runtime.task import server_step
 
 log = logging.getLogger("fedax.runtime.server")
 
 
-class HoldoutPhase:
+class HoldoutPhase(ServerBase):
     """Mixin of ``fedax.runtime.server.Server``: ``learned`` (a ``LearnedLR``, None when
     the task's server learning rate is fixed) and its holdout phase."""
 
@@ -65,11 +66,12 @@ class HoldoutPhase:
 
     def _learned_aggregate(self, state: Any, stacked: Any, keys: Any, real: Any,
                            key: Any) -> tuple[Any, Any]:
+        assert self.learned is not None  # (only with a learned server learning rate)
         new, metrics, self._tangent = self._learned_step(state, self.learned.u, stacked, keys,
                                                          real, key)
         return new, metrics
 
-    def _checked_report(self, r: OpenRound, env: Any) -> tuple[Any, tuple[str, str] | None]:
+    def _checked_report(self, r: PhaseRound, env: Any) -> tuple[Any, tuple[str, str] | None]:
         """A report decoded and checked for the open round's phase."""
         if r.phase == "train":
             report, problem = decoded_report(env.tensors, self._report_layout,
@@ -92,6 +94,7 @@ class HoldoutPhase:
     def _holdout(self, t: int, state: Any) -> dict[str, float]:
         """Round t's holdout phase on the new ``state``; returns its metrics."""
         learned = self.learned
+        assert learned is not None  # (only with a learned server learning rate)
         params = self.pieces.server_params(state.server)
         sent = {"payload": {"params": params, "tangent": self._tangent}}
         reports = self._collect(t, "holdout", sent, learned.holdout_clients, b"holdout")

@@ -20,7 +20,6 @@ float tolerance (tests/test_engines.py); ``secret`` (the default) is a deploymen
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import subprocess
@@ -36,6 +35,7 @@ from fedax.experiments.datasets import FederatedData, build_data
 from fedax.experiments.errors import CommandError
 from fedax.experiments.outputs import JsonlWriter, write_outputs
 from fedax.experiments.privacy_plan import cohort_size, privacy_plan
+from fedax.io import write_json
 from fedax.runtime.config import ServerConfig
 from fedax.runtime.security import Registry, ServerTLS, make_dev_pki
 from fedax.runtime.server import Server
@@ -111,9 +111,7 @@ def _spawn_clients(config: Config, setup: Path, out: Path, port: int,
     processes = min(config.network.local_clients, num_clients)
     if processes == 0:
         return []
-    spec = out / "network" / "config.json"
-    spec.parent.mkdir(parents=True, exist_ok=True)
-    spec.write_text(json.dumps(config_to_dict(config), indent=1) + "\n")
+    spec = write_json(out / "network" / "config.json", config_to_dict(config), indent=1)
     bounds = np.linspace(0, num_clients, processes + 1).round().astype(int)
     logs = out / "network" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -158,7 +156,7 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
     out.mkdir(parents=True, exist_ok=True)
     data = build_data(config)
     train = data.train
-    check_against_data(config, train.sizes)
+    check_against_data(config, train.sizes.tolist())
     task = network_task(config, data)
     model = with_precision(get_model(config.model, **data.model_kwargs), config.precision)
     shapes = jax.eval_shape(model.init, jax.random.key(0))
@@ -169,7 +167,8 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
 
     rounds = config.rounds if plan is None else plan.rounds
     running: list[Server] = []
-    server_class, extra = Server, {}
+    server_class: type[Server] = Server
+    extra: dict[str, Any] = {}
     if net.asynchronous:  # FedBuff on the server: rounds count server steps
         from fedax.runtime.async_server import AsyncServer, Buffered
         from fedax.simulation.asynchronous import Staleness
@@ -178,6 +177,8 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
         server_class, extra = AsyncServer, {"buffered": Buffered(
             a.buffer_size or m, a.concurrency or m, Staleness(**a.staleness.model_dump()),
             a.max_staleness)}
+        if net.local_clients:  # trips start once every client is up
+            extra["start_with"] = train.num_clients
 
     def evaluate(params) -> dict[str, float]:
         done = running[0].rounds_done + 1  # the round being installed
@@ -201,8 +202,6 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
         Registry.load(str(setup / "registry.json")), address=f"{net.host}:{net.port}",
         resume=resume, evaluate=evaluate,
         simulator_seed=config.seed if net.server_randomness == "seed" else None, **extra)
-    if net.asynchronous and net.local_clients:  # trips start once every client is up
-        extra["start_with"] = train.num_clients
     if config.per_client_eval:  # the clients evaluate on their own test data
         server.client_eval = lambda done: not done % config.eval_every or done == rounds
         server.client_eval_target = config.target_accuracy

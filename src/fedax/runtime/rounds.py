@@ -12,13 +12,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import secrets
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fedax.runtime.task import Report
+
+
+class PhaseRound(Protocol):
+    """What the report checks read of a round (``_checked_report``): its phase and what
+    was sent. An ``OpenRound``; the asynchronous server's trips pass their own."""
+
+    phase: str
+    payload: Any
 
 
 @dataclasses.dataclass

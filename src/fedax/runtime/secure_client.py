@@ -207,6 +207,7 @@ class SecureRounds:
         if stage != "unmask" and self._silent(stage, t, attempt):
             return
         cid, protocol = client.config.client_id, self._protocol
+        reply: EncryptedShares | MaskedVector | UnmaskShares
         try:
             request = unpack(env.tensors, REQUESTS[kind])
             if kind == KEYS:
@@ -214,6 +215,8 @@ class SecureRounds:
             elif kind == MASKED:
                 if request.dst != cid:
                     raise SecAggError(f"shares addressed to client {request.dst}")
+                if self._x is None:  # sent already: the protocol is past this stage
+                    raise SecAggError(f"client {cid}: masked_input asked again")
                 reply = MaskedVector(cid, protocol.params.bits,
                                      protocol.masked_input(self._x, request.shares))
                 self._x = None

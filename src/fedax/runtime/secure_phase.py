@@ -45,7 +45,7 @@ import numpy as np
 
 from fedax.aggregators import round_keys
 from fedax.runtime import store, wire
-from fedax.runtime.rounds import OpenRound
+from fedax.runtime.rounds import OpenRound, PhaseRound
 from fedax.runtime.secagg import (
     KeyDirectory,
     SecAggAbort,
@@ -69,6 +69,7 @@ from fedax.runtime.secure_task import (
     sender,
     unpack,
 )
+from fedax.runtime.server_base import ServerBase
 from fedax.runtime.task import broadcast, round_key, secure_server_step, stage_key
 
 log = logging.getLogger("fedax.runtime.server")
@@ -92,7 +93,7 @@ class SecureTranscript:
     aborted: str | None = None
 
 
-class SecurePhase:
+class SecurePhase(ServerBase):
     """Mixin of ``fedax.runtime.server.Server``: its secure rounds (module docstring)."""
 
     _secure: Any = None  # the aggregator's SecureSum; None: plain reports
@@ -150,7 +151,7 @@ class SecurePhase:
         survivors, (state, metrics) or None if it aborted)``; None if the server stopped."""
         transcript = self.secure_transcripts[-1]
         protocol, spec = transcript.protocol, self._secure
-        n, logged = len(r.selected), set()
+        n, logged = len(r.selected), set[int]()
         traffic: dict[str, tuple[int, int]] = {}
         counts = {"rejected": 0, "cpu": 0.0}
 
@@ -241,7 +242,7 @@ class SecurePhase:
                 self.rejections.add(r.t, r.attempt, cid, "secagg")
         return len(new)
 
-    def _checked_report(self, r: OpenRound, env: Any) -> tuple[Any, tuple[str, str] | None]:
+    def _checked_report(self, r: PhaseRound, env: Any) -> tuple[Any, tuple[str, str] | None]:
         """A secure round's reply parsed strictly as its stage's message, from its sender;
         any other report as ``HoldoutPhase`` checks it."""
         if self._secure is None or r.phase not in REPLIES:

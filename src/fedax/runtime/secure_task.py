@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -51,10 +51,19 @@ STAGE_KEY_PATH = "['stage']['key']"  # a client's client-stage key (a rehearsal'
 SECURE_KEY_PATH = "['secure']['key']"  # its quantization key k_i
 KEYS, MASKED, UNMASK = "secagg-keys", "secagg-masked", "secagg-unmask"
 STAGES = (KEYS, MASKED, UNMASK)  # envelope kinds (and the server's phases) after "task"
-REQUESTS = {KEYS: KeyDirectory, MASKED: ShareDelivery, UNMASK: UnmaskRequest}
+
+
+class MessageClass(Protocol):
+    """A SecAgg+ message class (``fedax.runtime.secagg``): it parses its bytes."""
+
+    def from_bytes(self, data: bytes) -> Any: ...
+
+
+REQUESTS: dict[str, MessageClass] = {KEYS: KeyDirectory, MASKED: ShareDelivery,
+                                     UNMASK: UnmaskRequest}
 # what a client answers in each phase ("train": the training task, with the Setup)
-REPLIES = {"train": PublicKeys, KEYS: EncryptedShares, MASKED: MaskedVector,
-           UNMASK: UnmaskShares}
+REPLIES: dict[str, MessageClass] = {"train": PublicKeys, KEYS: EncryptedShares,
+                                    MASKED: MaskedVector, UNMASK: UnmaskShares}
 
 
 def default_threshold(num_shares: int) -> int:
@@ -236,7 +245,7 @@ def tensor_bytes(tensor: Any) -> bytes:
     return data
 
 
-def unpack(tensors: Any, kind: type) -> Any:
+def unpack(tensors: Any, kind: MessageClass) -> Any:
     """The one message of ``kind`` in ``tensors``: ``WireError`` for anything but one
     ``pack``ed tensor, ``SecAggError`` for bytes that do not parse."""
     tensors = list(tensors)

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from fedax.io import write_atomic, write_json
+
 CLIENT_ID_KEY = "fedax-client-id"
 TOKEN_KEY = "fedax-token"
 
@@ -101,7 +103,7 @@ class Registry:
     def save(self, path: str | os.PathLike[str]) -> None:
         data = {"clients": {str(k): {"sha256": h, "revoked": r}
                             for k, (h, r) in sorted(self.clients.items())}}
-        Path(path).write_text(json.dumps(data, indent=1) + "\n")
+        write_json(path, data, indent=1)
 
     def check(self, client_id: str | None, token: str | None) -> tuple[int | None, str]:
         """``(client id, "")`` if the credentials are good, else ``(None, reason)``."""
@@ -169,12 +171,6 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-
-
 def make_dev_pki(directory: str | os.PathLike[str], num_clients: int,
                  hosts: Iterable[str] = ("localhost", "127.0.0.1"),
                  days: int = 30) -> dict[str, Any]:
@@ -201,7 +197,7 @@ def make_dev_pki(directory: str | os.PathLike[str], num_clients: int,
                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                .sign(ca_key, hashes.SHA256()))
     server_key = ec.generate_private_key(ec.SECP256R1())
-    names = []
+    names: list[x509.GeneralName] = []
     for host in hosts:
         try:
             import ipaddress
@@ -220,13 +216,13 @@ def make_dev_pki(directory: str | os.PathLike[str], num_clients: int,
                                   critical=True)
                    .sign(ca_key, hashes.SHA256()))
     pem = serialization.Encoding.PEM
-    (out / "ca.pem").write_bytes(ca_cert.public_bytes(pem))
-    (out / "server.pem").write_bytes(server_cert.public_bytes(pem))
-    _write_private(out / "server.key", server_key.private_bytes(
-        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    write_atomic(out / "ca.pem", ca_cert.public_bytes(pem))
+    write_atomic(out / "server.pem", server_cert.public_bytes(pem))
+    write_atomic(out / "server.key", server_key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()), mode=0o600)
     tokens = {k: new_token() for k in range(int(num_clients))}
     for k, token in tokens.items():
-        _write_private(out / "tokens" / f"{k}.token", token.encode())
+        write_atomic(out / "tokens" / f"{k}.token", token.encode(), mode=0o600)
     Registry.of_tokens(tokens).save(out / "registry.json")
     return {"ca": str(out / "ca.pem"), "cert": str(out / "server.pem"),
             "key": str(out / "server.key"), "registry": str(out / "registry.json"),

@@ -15,14 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedax.algorithms.records import dumps, strict_json
+from fedax.io import append_line
 from fedax.runtime import store
+from fedax.runtime.server_base import ServerBase
 
 log = logging.getLogger("fedax.runtime.server")
 CHECKPOINT = "server_checkpoint.msgpack"
 ROUND_LOG = "rounds.jsonl"
 
 
-class ServerCheckpoints:
+class ServerCheckpoints(ServerBase):
     """Mixin of ``fedax.runtime.server.Server``: ``_install`` (with ``_save``), ``_log``
     and ``_restore``."""
 
@@ -53,18 +55,16 @@ class ServerCheckpoints:
         if self.config.checkpoint_dir is not None:
             path = Path(self.config.checkpoint_dir) / ROUND_LOG
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a") as f:
-                f.write(line + "\n")
+            append_line(path, line)
 
-    def _checkpoint_paths(self) -> list[Path]:
-        return store.kept_paths(Path(self.config.checkpoint_dir) / CHECKPOINT,
-                                self.config.keep_checkpoints)
+    def _checkpoint_paths(self, directory: str) -> list[Path]:
+        return store.kept_paths(Path(directory) / CHECKPOINT, self.config.keep_checkpoints)
 
     def _save(self, included: dict[int, tuple[int, int]]) -> None:
         if self.config.checkpoint_dir is None:
             return
         # store.save writes through a 0600 temporary file: the secret stays the owner's.
-        store.save_kept(self._checkpoint_paths(), {
+        store.save_kept(self._checkpoint_paths(self.config.checkpoint_dir), {
             "version": 2, "task_sha256": self.task.sha256(), "round": self.rounds_done,
             "state": store.encode(self.state), "secret": self._secret,
             "key": np.asarray(jax.random.key_data(self._key)).tobytes(),
@@ -74,8 +74,8 @@ class ServerCheckpoints:
     def _restore(self) -> None:
         if self.config.checkpoint_dir is None:
             raise ValueError("resume needs a checkpoint_dir")
-        path, data = store.load_newest(self._checkpoint_paths())
-        if data is None:
+        path, data = store.load_newest(self._checkpoint_paths(self.config.checkpoint_dir))
+        if path is None or data is None:  # (both or neither)
             log.warning("no checkpoint in %s; starting from round 0",
                         self.config.checkpoint_dir)
             return

@@ -39,6 +39,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -268,7 +269,7 @@ def round_key(key: jax.Array, t: int) -> jax.Array:
 def key_from_secret(secret: bytes) -> jax.Array:
     """The server's JAX key from its 32-byte secret: the first 8 bytes of SHA-256(secret)
     as threefry key data (JAX's key holds 64 bits; the secret itself keeps 256)."""
-    return jax.random.wrap_key_data(key_words(secret), impl="threefry2x32")
+    return jax.random.wrap_key_data(jnp.asarray(key_words(secret)), impl="threefry2x32")
 
 
 def client_step(pieces: RoundPieces, payload: Any, client_state: Any, batches: Batches,
@@ -283,9 +284,12 @@ def client_step(pieces: RoundPieces, payload: Any, client_state: Any, batches: B
     compressor's encoding) and sends its codes, what crosses the wire."""
     message = client_half(pieces, payload, client_state, batches, num_examples,
                           train_key if pieces.keyed else None)
-    update, weight, stage_stats = message.update, message.weight, {}
+    update, weight = message.update, message.weight
+    stage_stats: Any = {}
     if stage is not None:
-        update, weight, stage_stats = pieces.aggregator.client(
+        stage_fn = pieces.aggregator.client
+        assert stage_fn is not None  # (a task that encodes has a client stage)
+        update, weight, stage_stats = stage_fn(
             update, weight, stage["aggregator"], jax.random.wrap_key_data(stage["key"]))
     report = Report(update, jnp.asarray(weight, jnp.float32), dict(message.stats),
                     message.sums, jnp.asarray(num_examples, jnp.float32), dict(stage_stats))
@@ -343,7 +347,8 @@ def secure_server_step(pieces: RoundPieces, state: RoundState, total: Any, key: 
     from fedax.aggregators import round_keys
 
     _, _, server_key = round_keys(key, 1)
-    aggregator, metrics, aggregator_state = pieces.aggregator, {}, state.aggregator
+    aggregator, aggregator_state = pieces.aggregator, state.aggregator
+    metrics: dict[str, jax.Array] = {}
     if aggregator.server is not None:
         total, aggregator_state, metrics = aggregator.server(total, None, aggregator_state,
                                                              server_key)
@@ -386,14 +391,15 @@ def key_data_template() -> jax.ShapeDtypeStruct:
 
 
 def report_template(pieces: RoundPieces, params: Any, input_shape: list[int],
-                    input_dtype: str = "float32", label_shape: list[int] = (),
+                    input_dtype: str = "float32", label_shape: Sequence[int] = (),
                     encoded: bool = False) -> Any:
     """Shapes and dtypes of one client's ``Report`` (the server checks every report
     against it); independent of the client's batch shapes."""
     sent = payload_template(pieces, params, encoded)
-    batches = Batches(jax.ShapeDtypeStruct((1, 1, *input_shape), jnp.dtype(input_dtype)),
-                      jax.ShapeDtypeStruct((1, 1, *label_shape), jnp.int32),
-                      jax.ShapeDtypeStruct((1, 1), jnp.float32))
+    batches = Batches._make([  # (a template: ShapeDtypeStruct leaves)
+        jax.ShapeDtypeStruct((1, 1, *input_shape), jnp.dtype(input_dtype)),
+        jax.ShapeDtypeStruct((1, 1, *label_shape), jnp.int32),
+        jax.ShapeDtypeStruct((1, 1), jnp.float32)])
     client_state = None
     if pieces.client_state is not None:
         client_state = jax.eval_shape(pieces.client_state, params)

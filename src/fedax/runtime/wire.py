@@ -71,7 +71,8 @@ SERVICE = f"{PACKAGE}.Runtime"
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB pieces of an envelope
 
 _F = descriptor_pb2.FieldDescriptorProto
-_FIELDS: dict[str, list[tuple[str, int, Any]]] = {
+_Field = tuple[str, int | str] | tuple[str, int | str, str]
+_FIELDS: dict[str, list[_Field]] = {
     # name, number, type (a type constant, or the name of a message), repeated?
     "Tensor": [("path", _F.TYPE_STRING), ("dtype", _F.TYPE_STRING),
                ("shape", _F.TYPE_INT64, "repeated"), ("data", _F.TYPE_BYTES)],
@@ -91,7 +92,9 @@ _FIELDS: dict[str, list[tuple[str, int, Any]]] = {
 }
 
 
-def _build_messages() -> dict[str, type]:
+def _build_messages() -> dict[str, Any]:
+    """The message classes, by name (built at run time: no static type knows their
+    fields)."""
     proto = descriptor_pb2.FileDescriptorProto(
         name="fedax/runtime/v1/runtime.proto", package=PACKAGE, syntax="proto3")
     for name, fields in _FIELDS.items():
@@ -324,7 +327,7 @@ def join_chunks(stream: Iterable, max_bytes: int, counter: list[int] | None = No
     return envelope
 
 
-def grpc_options(chunk_bytes: int) -> list[tuple[str, int]]:
+def grpc_options(chunk_bytes: int) -> list[tuple[str, int | str]]:
     """Channel/server options: one gRPC message holds at most a chunk plus framing, so a
     peer can never push one huge message past the chunked size checks."""
     limit = int(chunk_bytes) + (64 << 10)
@@ -332,7 +335,7 @@ def grpc_options(chunk_bytes: int) -> list[tuple[str, int]]:
             ("grpc.max_send_message_length", limit)]
 
 
-def server_grpc_options(chunk_bytes: int) -> list[tuple[str, int]]:
+def server_grpc_options(chunk_bytes: int) -> list[tuple[str, int | str]]:
     """The server's options: ``grpc_options``, idle connections closed after 5 minutes,
     keepalive pings every minute (20 s to answer), at most 64 streams a connection."""
     return grpc_options(chunk_bytes) + [

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import msgpack
 
 # MAGIC, arrays_sha256 and tree_sha256 lived here before: still importable from here.
 from fedax.checkpoint import (  # noqa: F401
@@ -48,12 +47,12 @@ from fedax.checkpoint import (  # noqa: F401
     decode_state,
     encode_state,
     first_readable,
-    pack,
     prune,
     read_file,
     tree_sha256,
     write_file,
 )
+from fedax.io import pack, unpack
 
 _NAME = re.compile(r"ckpt_(\d+)\.msgpack")
 
@@ -195,7 +194,7 @@ def load_checkpoint(
 def _restore(path, data, template, fingerprint, ignore=()) -> Checkpoint:
     if fingerprint is not None:
         # Compare as stored (msgpack turns tuples into lists).
-        current = msgpack.unpackb(pack(fingerprint), raw=False)
+        current = unpack(pack(fingerprint))
         saved = {k: v for k, v in data["fingerprint"].items() if k not in ignore}
         diff = fingerprint_differences(saved, {k: v for k, v in current.items()
                                                if k not in ignore})

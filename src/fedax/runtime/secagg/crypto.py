@@ -55,6 +55,8 @@ def public_key(private: bytes) -> bytes:
 def is_public_key(data: object) -> bool:
     """Is ``data`` an X25519 public key that is not of low order (one that would make every
     shared secret all zeros, RFC 7748 section 6.1)?"""
+    if not isinstance(data, bytes):  # (cryptography takes bytes only: a TypeError)
+        return False
     try:
         _PROBE.exchange(X25519PublicKey.from_public_bytes(data))
     except (TypeError, ValueError):

@@ -224,7 +224,9 @@ class SecAggServer:
                     or any(u not in self.neighbours.get(v, ()) for v in nbrs)):
                 raise ValueError(f"node {u}: the graph must be symmetric, with num_shares - 1 "
                                  "neighbours per node (use graph.ring_graph)")
-        self.stage, self.aborted, self.result = "setup", None, None
+        self.stage = "setup"
+        self.aborted: str | None = None  # why, once aborted
+        self.result: np.ndarray | None = None  # the sum, once unmasked
         self.rejected: dict[int, str] = {}  # client -> why its reply was set aside
 
     def setup_messages(self) -> dict[int, Setup]:
@@ -260,7 +262,8 @@ class SecAggServer:
                             ) -> dict[int, dict[int, tuple[bytes, bytes]]]:
         """Stage 1 replies (client -> (pk1, pk2)) -> each live client's key directory."""
         self._enter("setup", "share_keys")
-        t, keys = self.params.threshold, {}
+        t = self.params.threshold
+        keys: dict[int, tuple[bytes, bytes]] = {}
         counts: dict[bytes, int] = {}
         for pks in replies.values():
             for k in pks:
@@ -271,7 +274,7 @@ class SecAggServer:
             elif len(pks) != 2 or any(not is_public_key(k) or counts[k] > 1 for k in pks):
                 self.rejected[u] = "unusable or duplicated public keys"
             else:
-                keys[u] = tuple(pks)
+                keys[u] = (pks[0], pks[1])  # (a tuple, whatever sequence arrived)
         live = self._prune(keys)
         if len(live) < t:
             self._abort(f"{len(live)} clients sent usable keys, fewer than the threshold {t}")
