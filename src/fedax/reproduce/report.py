@@ -22,7 +22,7 @@ from typing import Any
 from fedax.experiments.outputs import save_figure
 from fedax.io import write_atomic
 from fedax.reproduce.claims import bind, claim_lines, expand
-from fedax.reproduce.expr import evaluate, render
+from fedax.reproduce.expr import evaluate, fmt, render
 from fedax.reproduce.paper import Paper
 
 
@@ -33,19 +33,11 @@ def _note(title: str, text: str) -> list[str]:
 # ------------------------------------------------------------------- a table experiment
 
 
-def _fmt(value: Any, digits: int = 0) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "—"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
 def _fmt_column(value: Any) -> str:
     """A config value in the table: floats as written (0.5, 0.001), not rounded."""
-    if isinstance(value, float) and math.isfinite(value):
-        return f"{value:g}"
-    return _fmt(value)
+    if isinstance(value, float):
+        return fmt(value, "g")
+    return fmt(value)
 
 
 def _ratio_check(cell: dict[str, Any]) -> str:
@@ -164,13 +156,14 @@ def cells_section(paper: Paper, results: dict[str, Any]) -> list[str]:
             speed_s = "—" if speed is None else (
                 f"{'≥' if c['speedup_bound'] else ''}{speed:.1f}×")
             paper_speed = "—" if c["paper_speedup"] is None else f"{c['paper_speedup']:.1f}×"
-            row = [c["method"], *cols, c["group"], lr, _fmt(c["rounds_to_target"]),
-                   _fmt(c["paper"]), speed_s, paper_speed,
+            row = [c["method"], *cols, c["group"], lr, fmt(c["rounds_to_target"], ".0f"),
+                   fmt(c["paper"], ".0f"), speed_s, paper_speed,
                    f"{c['best_test_accuracy']:.4f}", _ratio_check(c),
                    f"{c['wall_time_s']:.0f}"]
         else:
+            paper_value = fmt(c["paper"], ".1f" if isinstance(c["paper"], float) else "")
             row = [c["method"], *cols, c["group"], lr, f"{c['last_accuracy']:.4f}",
-                   f"{c['best_test_accuracy']:.4f}", _fmt(c["paper"], 1),
+                   f"{c['best_test_accuracy']:.4f}", paper_value,
                    str(c["rounds_run"]), f"{c['wall_time_s']:.0f}"]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "(edge) = the chosen learning rate is at the edge of its grid.", ""]
@@ -178,7 +171,7 @@ def cells_section(paper: Paper, results: dict[str, Any]) -> list[str]:
     for c in cells:
         pts = ", ".join(
             f"{p['lr']:g} → "
-            + (_fmt(p["rounds_to_target"]) if paper.metric == "rounds_to_target"
+            + (fmt(p["rounds_to_target"], ".0f") if paper.metric == "rounds_to_target"
                else f"{p['last_accuracy']:.4f}")
             + (f" (best acc {p['best_test_accuracy']:.4f})"
                if paper.metric == "rounds_to_target" and p["rounds_to_target"] is None

@@ -55,8 +55,8 @@ def run_cell(paper: Paper, cell: Cell, out_dir: Path, *, progress: bool,
     runs (None when it has neither), marked ``in_progress`` when its best point is
     unfinished."""
     points: list[tuple[float, dict[str, Any]]] = []
-    what = (f"{cell.method} E={cell.config.get('local_epochs', '')} "
-            f"B={cell.config.get('batch_size', '')} ({cell.group})")
+    e, b = (cell.config.get(k) for k in ("local_epochs", "batch_size"))
+    what = f"{cell.method}{f' E={e} B={b}' if e or b else ''} ({cell.group})"
     for lr in cell.lrs:
         cap = _cap(paper, cell, points)
         out = out_dir / "runs" / cell.name / lr_dirname(lr)
