@@ -241,7 +241,7 @@ def test_an_attacked_round_reports_its_attackers_and_krums_choice(m):
     assert int(metrics["attackers_selected"]) == int(IS_ATTACKER[real][chosen].sum())
     assert int(metrics["attackers_selected"]) >= 1  # three equal vectors: Krum's blind spot
     # the flags change no number: the same round with the bare adversary
-    bare = compose(clean.pieces._replace(adversary=adversary))
+    bare = compose(clean.pieces, adversary=adversary)
     w_bare, metrics_bare = one_round(bare)
     np.testing.assert_array_equal(w, w_bare)
     assert set(metrics) - set(metrics_bare) == {"attackers_in_cohort", "attackers_selected"}

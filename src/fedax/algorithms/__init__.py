@@ -34,6 +34,7 @@ from fedax.algorithms.base import (
     compose,
     federated_loss,
     init_state,
+    keyless,
 )
 from fedax.algorithms.fedavg import ServerState, fedavg
 from fedax.algorithms.fednova import fednova, make_fednova
@@ -272,6 +273,7 @@ __all__ = [
     "cohort_round",
     "compose",
     "init_state",
+    "keyless",
     "fedadagrad",
     "fedadam",
     "fedamsgrad",

@@ -4,9 +4,11 @@ An algorithm declares ``RoundPieces`` (DESIGN.md, "A round in pieces"):
 
 * ``server_init(params) -> server_state`` and ``server_params(server_state) -> params``;
 * ``payload(server_state)``: what the server broadcasts (the model; SCAFFOLD adds c);
-* ``client_update(payload, client_state, batches, num_examples) -> ClientMessage``: one
-  client's computation: the update to aggregate, its weight, per-client statistics (the
-  local loss), values to sum (SCAFFOLD's Δc_i) and its new per-client state;
+* ``client_update(payload, client_state, batches, num_examples, key) -> ClientMessage``:
+  one client's computation: the update to aggregate, its weight, per-client statistics (the
+  local loss), values to sum (SCAFFOLD's Δc_i) and its new per-client state. ``key`` is the
+  client's own training key (example-level DP-SGD's noise), which every engine passes;
+  an update that draws no random numbers is written without it and adapted by ``keyless``;
 * ``aggregator``: how the server combines the updates (``fedax.aggregators``);
 * ``server_update(server_state, aggregate, sums) -> (server_state, metrics)``.
 
@@ -60,12 +62,16 @@ class FederatedAlgorithm(NamedTuple):
       server_params: ``server_params(state) -> params``, the model to evaluate.
       pieces: the ``RoundPieces`` ``round`` is composed of (None for a wrapper such as a
         hypergradient learner whose round is not a plain composition).
+      adversary: None, or the simulated attackers ``round`` runs (``fedax.attacks.attacked``;
+        ``cohort_round``'s ``adversary``): not the algorithm's, so not a piece; whoever runs
+        ``pieces`` with ``cohort_round`` itself (the population runner) passes it on.
     """
 
     init: Callable[[Any, jax.Array], Any]
     round: Callable[[Any, CohortBatches, jax.Array], tuple[Any, dict[str, jax.Array]]]
     server_params: Callable[[Any], Any]
     pieces: RoundPieces | None = None
+    adversary: Callable[..., tuple[Any, jax.Array]] | None = None
 
 
 def client_mean_loss(loss_fn: LossFn, params: Any, batches: Batches) -> jax.Array:
@@ -174,8 +180,10 @@ class RoundPieces(NamedTuple):
     Attributes:
       server_init: ``server_init(params) -> server_state``.
       payload: ``payload(server_state) -> pytree`` broadcast to the cohort.
-      client_update: ``client_update(payload, client_state, batches, num_examples) ->
-        ClientMessage`` for one client.
+      client_update: ``client_update(payload, client_state, batches, num_examples, key) ->
+        ClientMessage`` for one client; ``key`` is its own training key (a typed PRNG key,
+        or None where the round has none; see ``client_half``). An update that draws no
+        random numbers takes four arguments and is given as ``keyless(update)``.
       server_update: ``server_update(server_state, aggregate, sums) -> (server_state,
         metrics)``.
       server_params: ``server_params(server_state) -> params``.
@@ -184,16 +192,6 @@ class RoundPieces(NamedTuple):
       client_state: ``client_state(params) -> one client's initial state``, or None.
       reweigh: None, or ``reweigh(weights, stats) -> weights`` on client-placed ``[C]``
         arrays, written with the placement primitives (learned client weights).
-      keyed: the client update takes a fifth argument, its own PRNG key (example-level
-        DP-SGD's noise): in simulation the round key folded with a constant of its own,
-        split per client (disjoint from the aggregator's keys); a real client uses its own
-        secret key.
-      adversary: simulated misbehaving clients (``fedax.attacks``), not part of an
-        algorithm: ``adversary(updates, weights, client_ids, key) -> (updates, weights)``
-        on the client-placed messages, after the clients' updates and before the server
-        sees them (its finite check, its aggregator), written with the placement
-        primitives (an omniscient attack reads the honest clients' mean through them).
-        ``key`` is the round key folded with a constant of its own.
       spread: names of per-client ``stats`` whose spread over the cohort the round also
         reports (``spread_metrics``), e.g. ``("local_steps",)`` when clients stop early.
     """
@@ -206,8 +204,6 @@ class RoundPieces(NamedTuple):
     aggregator: Aggregator
     client_state: Callable[[Any], Any] | None = None
     reweigh: Callable[[jax.Array, dict[str, jax.Array]], jax.Array] | None = None
-    keyed: bool = False
-    adversary: Callable[..., tuple[Any, jax.Array]] | None = None
     spread: tuple[str, ...] = ()
 
 
@@ -311,29 +307,41 @@ def _merge(*dicts: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def client_training_keys(key: jax.Array, num_clients: int) -> jax.Array:
-    """``[C, ...]`` raw keys of the clients' own training (keyed client updates, e.g.
-    example-level DP-SGD) in a simulated round: ``split(fold_in(key, "clke"), C)``,
-    disjoint from the aggregator's keys (``split(key, 3)`` and its descendants, i.e.
-    ``fold_in(key, 0..2)`` under JAX's partitionable threefry). A real client draws its
-    own (``fedax.runtime.client``), FedBuff one per trip."""
+def client_training_keys(key: jax.Array | None, num_clients: int) -> jax.Array | None:
+    """``[C, ...]`` raw keys of the clients' own training (the client updates' ``key``,
+    e.g. example-level DP-SGD's noise) in a simulated round: ``split(fold_in(key,
+    "clke"), C)``, disjoint from the aggregator's keys (``split(key, 3)`` and its
+    descendants, i.e. ``fold_in(key, 0..2)`` under JAX's partitionable threefry); None for
+    a round without a key. A real client draws its own (``fedax.runtime.client``), FedBuff
+    one per trip."""
+    if key is None:
+        return None
     return jax.random.key_data(
         jax.random.split(jax.random.fold_in(key, _CLIENT_TRAINING_KEY), num_clients))
 
 
+def keyless(client_update: Callable[..., ClientMessage]) -> Callable[..., ClientMessage]:
+    """``client_update(payload, client_state, batches, num_examples)``, an update that draws
+    no random numbers, as a ``RoundPieces.client_update``: it takes the client's training
+    key too (optional, so the four-argument call still works) and drops it."""
+
+    def update(payload, client_state, batches, num_examples, key=None):
+        del key
+        return client_update(payload, client_state, batches, num_examples)
+
+    return update
+
+
 def client_half(pieces: RoundPieces, payload: Any, client_state: Any, batches: Batches,
-                num_examples: jax.Array, raw_key: jax.Array | None = None) -> ClientMessage:
+                num_examples: jax.Array, raw_key: jax.Array | None) -> ClientMessage:
     """One client's half of a round: the algorithm's ``client_update`` on what the
-    server sent, the client's own state and batches, with its training key (raw key data)
-    when the update is keyed. Every engine runs this one function per client: mapped over
-    the cohort (``cohort_round``), on a real client (``fedax.runtime``), per trip
+    server sent, the client's own state and batches, and its training key (raw key data;
+    None in a round without a key, which an update that draws random numbers refuses).
+    Every engine runs this one function per client, always with the client's key: mapped
+    over the cohort (``cohort_round``), on a real client (``fedax.runtime``), per trip
     (FedBuff)."""
-    if pieces.keyed:
-        if raw_key is None:
-            raise ValueError("this algorithm's client update is keyed: give its key")
-        return pieces.client_update(payload, client_state, batches, num_examples,
-                                    jax.random.wrap_key_data(raw_key))
-    return pieces.client_update(payload, client_state, batches, num_examples)
+    key = None if raw_key is None else jax.random.wrap_key_data(raw_key)
+    return pieces.client_update(payload, client_state, batches, num_examples, key)
 
 
 def server_half(
@@ -377,9 +385,14 @@ def server_half(
 
 def cohort_round(
     pieces: RoundPieces, state: RoundState, cohort: CohortBatches, key: jax.Array,
-    client_states: Any = None,
+    client_states: Any = None, adversary: Callable[..., tuple[Any, jax.Array]] | None = None,
 ) -> tuple[RoundState, dict[str, jax.Array], Any, jax.Array]:
     """One round with the cohort's per-client states given (leaves ``[C, ...]``).
+
+    ``adversary``: None, or simulated misbehaving clients (``fedax.attacks.Adversary``, not
+    part of the algorithm) on the client-placed messages, after the clients' updates and
+    before the server sees them (its finite check, its aggregator), with the round key
+    folded with a constant of its own.
 
     Returns ``(state, metrics, client_states, written)``: the clients' new states, and
     ``written [C]`` bool, the clients whose new state counts (real, n_k > 0, and accepted);
@@ -389,29 +402,20 @@ def cohort_round(
     """
     num_clients = cohort.num_examples.shape[0]
     at_clients = place_payload(pieces, state.server, num_clients, key)
-    extra: tuple[jax.Array, ...] = ()
-    if pieces.keyed:
-        if key is None:
-            raise ValueError("this algorithm's clients draw random numbers (keyed client "
-                             "update): give the round a key, not None.")
-        extra = (client_training_keys(key, num_clients),)
-
-    def client_update(p, s, b, n, *k):
-        return client_half(pieces, p, s, b, n, *k)
-
+    keys = client_training_keys(key, num_clients)
     if pieces.client_state is None:
         message = fed.map_clients(
-            lambda p, b, n, *k: client_update(p, None, b, n, *k),
-            at_clients, cohort.batches, cohort.num_examples, *extra)
+            lambda p, b, n, k: client_half(pieces, p, None, b, n, k),
+            at_clients, cohort.batches, cohort.num_examples, keys)
     else:
         message = fed.map_clients(
-            client_update, at_clients, client_states, cohort.batches, cohort.num_examples,
-            *extra)
+            functools.partial(client_half, pieces), at_clients, client_states,
+            cohort.batches, cohort.num_examples, keys)
     weights = message.weight
-    if pieces.adversary is not None:
+    if adversary is not None:
         adversary_key = None if key is None else jax.random.fold_in(key, _ADVERSARY_KEY)
-        update, weights = pieces.adversary(message.update, weights, cohort.client_ids,
-                                           adversary_key)
+        update, weights = adversary(message.update, weights, cohort.client_ids,
+                                    adversary_key)
         message = message._replace(update=update, weight=weights)
     if pieces.reweigh is not None:
         weights = pieces.reweigh(weights, message.stats)
@@ -453,11 +457,14 @@ def _scatter_rows(table: Any, rows: jax.Array, values: Any) -> Any:
     return jax.tree.map(scatter, table, values)
 
 
-def compose(pieces: RoundPieces, num_clients: int | None = None) -> FederatedAlgorithm:
+def compose(pieces: RoundPieces, num_clients: int | None = None, *,
+            adversary: Callable[..., tuple[Any, jax.Array]] | None = None
+            ) -> FederatedAlgorithm:
     """``FederatedAlgorithm`` from ``pieces``; with per-client state, ``num_clients`` is the
     size of the population whose table ``round`` keeps (``cohort.client_ids`` index it; the
     real clients of a cohort must have distinct ids, and padding clients, n_k = 0, are never
-    written)."""
+    written). ``adversary``: simulated attackers every round runs (``cohort_round``; see
+    ``fedax.attacks.attacked``), kept as the algorithm's ``adversary``."""
     has_clients = pieces.client_state is not None
     if has_clients and (isinstance(num_clients, bool) or not isinstance(num_clients, int)
                         or num_clients < 1):
@@ -469,7 +476,8 @@ def compose(pieces: RoundPieces, num_clients: int | None = None) -> FederatedAlg
 
     def round_fn(state: RoundState, cohort: CohortBatches, key):
         if not has_clients:
-            state, metrics, _, _ = cohort_round(pieces, state, cohort, key)
+            state, metrics, _, _ = cohort_round(pieces, state, cohort, key,
+                                                adversary=adversary)
             return state, metrics
         if state.clients is None:
             raise ValueError(
@@ -479,9 +487,9 @@ def compose(pieces: RoundPieces, num_clients: int | None = None) -> FederatedAlg
         ids = cohort.client_ids
         gathered = jax.tree.map(lambda column: column[ids], state.clients)
         state, metrics, new_states, written = cohort_round(pieces, state, cohort, key,
-                                                           gathered)
+                                                           gathered, adversary)
         rows = jnp.where(written, ids, num_clients)  # out of range: dropped
         return state._replace(clients=_scatter_rows(state.clients, rows, new_states)), metrics
 
     return FederatedAlgorithm(init, round_fn, lambda state: pieces.server_params(state.server),
-                              pieces)
+                              pieces, adversary)

@@ -65,9 +65,9 @@ def error_feedback(algorithm: FederatedAlgorithm, compressor: Compressor,
         inner = None if inner_state is None else inner_state(params)
         return inner, jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
 
-    def client_update(payload, state, batches, num_examples, *key):
+    def client_update(payload, state, batches, num_examples, key=None):
         inner, residual = state
-        message = pieces.client_update(payload, inner, batches, num_examples, *key)
+        message = pieces.client_update(payload, inner, batches, num_examples, key)
         p = jax.tree.map(lambda u, e: u.astype(jnp.float32) + e, message.update, residual)
         q = roundtrip(compressor, p)
         active = num_examples > 0
@@ -78,7 +78,7 @@ def error_feedback(algorithm: FederatedAlgorithm, compressor: Compressor,
                                 client_state=(message.client_state, new_residual))
 
     return compose(pieces._replace(client_state=client_state, client_update=client_update),
-                   num_clients)
+                   num_clients, adversary=algorithm.adversary)
 
 
 def residuals(state: Any) -> Any:

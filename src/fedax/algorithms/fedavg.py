@@ -42,6 +42,7 @@ from fedax.algorithms.base import (
     RoundPieces,
     compose,
     default_aggregator,
+    keyless,
 )
 from fedax.client import Batches, EBStopping, LossFn, dp_local_train, local_train
 
@@ -66,7 +67,9 @@ def model_pieces(
     """The pieces of the FedAvg family around ``client_update``: the server holds the model
     and its optimizer state (``ServerState``), broadcasts the model, and applies
     ``server_optimizer`` (default ``optax.sgd(1.0)``) to the pseudo-gradient: the
-    aggregate, or ``pseudo_gradient(aggregate, sums)``."""
+    aggregate, or ``pseudo_gradient(aggregate, sums)``. ``client_update`` takes four
+    arguments (``keyless`` adapts it), or with ``keyed`` five, the last the client's own
+    training key (``RoundPieces.client_update``)."""
     server_optimizer = server_optimizer or optax.sgd(1.0)
 
     def server_init(params):
@@ -77,9 +80,10 @@ def model_pieces(
         updates, opt_state = server_optimizer.update(grad, server.opt_state, server.params)
         return ServerState(optax.apply_updates(server.params, updates), opt_state), {}
 
-    return RoundPieces(server_init, lambda server: server.params, client_update, server_update,
+    return RoundPieces(server_init, lambda server: server.params,
+                       client_update if keyed else keyless(client_update), server_update,
                        lambda server: server.params, default_aggregator(aggregator),
-                       reweigh=reweigh, keyed=keyed, spread=spread)
+                       reweigh=reweigh, spread=spread)
 
 
 def fedavg(
@@ -138,6 +142,9 @@ def fedavg(
             result = local_train(objective, params, batches, client_optimizer,
                                  stopping=local_stopping)
         else:
+            if key is None:
+                raise ValueError("example-level DP-SGD draws each client's noise from its "
+                                 "own key: give the round a key, not None.")
             l2_clip, noise_multiplier = example_privacy
             result = dp_local_train(objective, params, batches, client_optimizer,
                                     l2_clip=l2_clip, noise_multiplier=noise_multiplier,

@@ -60,6 +60,7 @@ from fedax.algorithms.base import (
     RoundPieces,
     compose,
     default_aggregator,
+    keyless,
 )
 from fedax.algorithms.fedavg import check_stopping, stopping_spread, stopping_stats
 from fedax.client import Batches, EBStopping, LossFn, local_train, mean_gradient
@@ -176,7 +177,7 @@ def scaffold(
     pieces = RoundPieces(
         server_init=server_init,
         payload=lambda server: (server.params, server.control),
-        client_update=client_update,
+        client_update=keyless(client_update),
         server_update=server_update,
         server_params=lambda server: server.params,
         aggregator=default_aggregator(aggregator),

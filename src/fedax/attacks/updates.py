@@ -1,6 +1,6 @@
 """Update-level attacks: what the attackers send instead of their honest update.
 
-Each factory returns an adversary for ``RoundPieces.adversary``:
+Each factory returns an adversary for ``attacked(algorithm, adversary)``, whose round runs it:
 ``adversary(updates, weights, client_ids, key) -> (updates, weights)`` on the client-placed
 messages, after the clients trained and before the server sees anything. It is written with
 the placement primitives: whether a client attacks is a per-client lookup of its population
@@ -45,7 +45,8 @@ from fedax.attacks.selection import attacker_table
 Adversary = Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[Any, jax.Array]]
 """``adversary(updates, weights, client_ids, key) -> (updates, weights)``: the cohort's
 client-placed updates and weights after local training, as the server would see them
-(``RoundPieces.adversary``); it carries its attackers' population ids as ``attackers``."""
+(``fedax.algorithms.cohort_round``'s ``adversary``); it carries its attackers' population
+ids as ``attackers``."""
 
 
 def alie_z(n: Any, f: Any) -> Any:

@@ -1,4 +1,6 @@
-"""An algorithm under attack: its pieces with an adversary, composed again.
+"""An algorithm under attack: its pieces composed again, with an adversary between the
+clients and the server (``compose(pieces, adversary=...)``; the adversary is not one of the
+algorithm's pieces, it is the simulated cohort's).
 
 Every round of an attacked algorithm whose attackers are known (``attackers=``, or the
 adversary's own ``attackers``, as every ``fedax.attacks`` factory records them) reports
@@ -8,8 +10,9 @@ instead), and the robust rule's attacker diagnostics (Krum's ``attackers_selecte
 ``fedax.aggregators.robust.flagging``). The attackers are marked where the adversary acts:
 each client's message goes on with a flag beside it (``Flagged``), the aggregator's client
 stage passes the flag on untouched, and its reduction takes it off, counts the flags with a
-federated sum and shows them to the robust rule. So whoever runs the pieces (``round``,
-``cohort_round``) records them, and the numbers are those of the unflagged round. A flag is
+federated sum and shows them to the robust rule. So whoever runs the attacked round
+(``round``, or ``cohort_round`` with the algorithm's ``adversary``) records them, and the
+numbers are those of the unflagged round. A flag is
 a simulation's bookkeeping (one bool per client), not part of what the server decodes; an
 engine that runs no adversary (FedBuff, the networked runtime) sees no flags and reports
 none.
@@ -89,8 +92,9 @@ def _passing_flags(inner: Aggregator) -> Aggregator:
 def attacked(algorithm: FederatedAlgorithm, adversary: Adversary | None,
              num_clients: int | None = None, *,
              attackers: Any = None) -> FederatedAlgorithm:
-    """``algorithm`` whose clients pass through ``adversary`` (``RoundPieces.adversary``:
-    after the clients' updates, before the server's finite check and aggregator).
+    """``algorithm`` whose clients pass through ``adversary`` (``cohort_round``'s: after
+    the clients' updates, before the server's finite check and aggregator), kept as the
+    result's ``adversary``.
 
     Args:
       algorithm: a composed algorithm (``algorithm.pieces`` not None), not yet attacked.
@@ -113,11 +117,10 @@ def attacked(algorithm: FederatedAlgorithm, adversary: Adversary | None,
     if algorithm.pieces is None:
         raise ValueError("this algorithm is not a composition of RoundPieces (e.g. a "
                          "hypergradient wrapper); attack the inner algorithm instead.")
-    pieces = algorithm.pieces
-    if pieces.adversary is not None:
+    if algorithm.adversary is not None:
         raise ValueError("this algorithm is already attacked; wrap the clean one once.")
+    pieces = algorithm.pieces
     if attackers is None:  # an adversary that does not say who attacks: no diagnostics
-        return compose(pieces._replace(adversary=adversary), num_clients)
-    return compose(pieces._replace(adversary=_flagging(adversary, attackers),
-                                   aggregator=_passing_flags(pieces.aggregator)),
-                   num_clients)
+        return compose(pieces, num_clients, adversary=adversary)
+    return compose(pieces._replace(aggregator=_passing_flags(pieces.aggregator)),
+                   num_clients, adversary=_flagging(adversary, attackers))

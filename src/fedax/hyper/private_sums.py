@@ -127,7 +127,7 @@ def privatize_payload(pieces: RoundPieces, *, clip: float, noise_multiplier: flo
     def payload(server):
         return _noise_on_the_way_back(pieces.payload(server), z * clip, key)
 
-    def client_update(payload, *rest):  # rest: state, batches, n_k (and a key if keyed)
+    def client_update(payload, *rest):  # rest: state, batches, n_k and the client's key
         return pieces.client_update(_clip_on_the_way_back(payload, clip), *rest)
 
     return pieces._replace(payload=payload, client_update=client_update)
@@ -153,9 +153,10 @@ def with_private_payload(algorithm: FederatedAlgorithm, *, clip: float,
         private = privatize_payload(pieces, clip=clip, noise_multiplier=noise_multiplier,
                                     key=payload_key)
         table = None if state.clients is None else jax.tree.leaves(state.clients)[0].shape[0]
-        return compose(private, table).round(state, cohort, round_key)
+        return compose(private, table, adversary=algorithm.adversary).round(
+            state, cohort, round_key)
 
-    return FederatedAlgorithm(algorithm.init, round_fn, algorithm.server_params, pieces)
+    return algorithm._replace(round=round_fn)
 
 
 __all__ = ["private_broadcast", "private_sum", "privatize_payload", "with_private_payload"]

@@ -94,7 +94,7 @@ class ClientConfig:
       token: its token.
       tls: the CA to trust (``ClientTLS``).
       state_dir: where the per-client state and the client's secret training seed live
-        (needed by algorithms with per-client state or keyed client updates).
+        (needed by algorithms with per-client state; without it the seed lives in memory).
       connect_s: at the start, give up after trying to reach the server this long
         (default: ``reconnect_s``); one log line per retry.
       reconnect_s: once joined, give up after this many seconds without reaching the
@@ -134,7 +134,7 @@ class Client:
         self.stop = stop or threading.Event()
         self.rounds: list[tuple[int, int, bool, str]] = []  # (round, attempt, accepted, why)
         self._conn: Connection | None = None
-        self._seed: bytes | None = None  # the secret training seed (keyed client updates)
+        self._seed: bytes | None = None  # the secret training seed (its training keys)
         # secure rounds (fedax.runtime.secure_client); ``fault``: a SecAggFault, tests only
         self._secure = SecureRounds(self, fault)
         self.secure_input: tuple[tuple[int, int], np.ndarray] | None = None  # never sent
@@ -181,11 +181,11 @@ class Client:
                      self.config.client_id, *mine)
 
     def _train_key(self, t: int):
-        """The client's own training key for round t (keyed client updates, e.g.
-        example-level DP-SGD's noise): ``train_key(secret, t)`` with a 256-bit secret drawn
-        from the OS once and kept in ``state_dir/client_seed`` (hex, mode 0600, written
-        atomically; without a ``state_dir``, in this object's memory only). It never leaves
-        the client."""
+        """The client's own training key for round t (every client update gets one;
+        example-level DP-SGD draws its noise from it): ``train_key(secret, t)`` with a
+        256-bit secret drawn from the OS once and kept in ``state_dir/client_seed`` (hex,
+        mode 0600, written atomically; without a ``state_dir``, in this object's memory
+        only). It never leaves the client."""
         if self._seed is None:
             if self.config.state_dir is None:
                 self._seed = os.urandom(32)
@@ -304,9 +304,8 @@ class Client:
         task = b["task"]
         x, y, mask, n = local_batches(self.x, self.y, task.local_epochs, task.batch,
                                       task.seed, t, self.config.client_id)
-        train_key = self._train_key(t) if b["pieces"].keyed else None
-        return (sent["payload"], self._load_state(b), Batches(x, y, mask), n, train_key,
-                sent.get("stage"))
+        return (sent["payload"], self._load_state(b), Batches(x, y, mask), n,
+                self._train_key(t), sent.get("stage"))
 
     def _warm_up(self, b) -> None:
         """Compile the client step for this client's batch shapes before polling, so the

@@ -277,13 +277,12 @@ def client_step(pieces: RoundPieces, payload: Any, client_state: Any, batches: B
                 stage: Any = None) -> tuple[Report, Any]:
     """One client's half of a round; returns its ``Report`` and its new per-client state.
 
-    ``train_key`` is raw key data (or None when the client update takes no key). ``stage``
+    ``train_key`` is the client's own training key, raw key data. ``stage``
     (a task that ``encodes``): ``{"aggregator": state, "key": raw key}``, the aggregator's
     state the server broadcast and this client's client-stage key (the simulator's
     ``round_keys`` for its position); the client runs the aggregator's client stage (the
     compressor's encoding) and sends its codes, what crosses the wire."""
-    message = client_half(pieces, payload, client_state, batches, num_examples,
-                          train_key if pieces.keyed else None)
+    message = client_half(pieces, payload, client_state, batches, num_examples, train_key)
     update, weight = message.update, message.weight
     stage_stats: Any = {}
     if stage is not None:

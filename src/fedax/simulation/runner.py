@@ -284,8 +284,8 @@ def run(
 
     def device_cohort_round(state, placed, sharded, plain, client_states, key):
         cohort = source.cohort(placed, sharded, plain, block_spec)
-        state, metrics, client_states, written = cohort_round(pieces, state, cohort, key,
-                                                              client_states)
+        state, metrics, client_states, written = cohort_round(
+            pieces, state, cohort, key, client_states, algorithm.adversary)
         metrics = dict(metrics)
         metrics["server_finite"] = _all_finite(algorithm.server_params(state))
         return state, _on_every_device(metrics, mesh), client_states, written

@@ -102,16 +102,14 @@ def update_functions(pieces: RoundPieces, source: PartitionSource,
         size = num_examples.shape[0]
         payload = pieces.payload(state.server)
         at_clients = fed.broadcast(payload, size)
-        extra = ()
-        if pieces.keyed:
-            extra = (jax.vmap(lambda j: jax.random.key_data(
-                jax.random.fold_in(train_stream, j)))(trips),)
+        train_keys = jax.vmap(lambda j: jax.random.key_data(
+            jax.random.fold_in(train_stream, j)))(trips)
 
-        def one(p, b, n, *raw):
-            return client_half(pieces, p, None, b, n, *raw)
+        def one(p, b, n, raw):
+            return client_half(pieces, p, None, b, n, raw)
 
         message = fed.map_clients(one, at_clients, cohort.batches, cohort.num_examples,
-                                  *extra)
+                                  train_keys)
         finite = client_finite((message.update, message.stats, message.sums))
         real = cohort.num_examples > 0
         if config.weighting == "equal":
