@@ -137,6 +137,9 @@ def main(argv=None) -> int:
             "precision": args.precision,
             "fedax_version": fedax.__version__,
             "backend": jax.default_backend(),
+            "device": common.jax_device_info(),
+            # the allocator's peak on the device (None on CPU: the RSS above is the memory)
+            "device_memory": common.jax_device_memory(),
         },
     )
     common.finish(record, args.json)

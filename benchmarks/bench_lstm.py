@@ -27,8 +27,13 @@ FLOPs per step (2 per multiply-add; backward = 2x forward, embedding lookups not
     3 * 2 * B * T * [4H(E + H) + 4H(2H) + H V]      (= 3.93 GFLOP at B = 10)
 
 set against the machine's float32 matmul peak, measured in the same run
-(``common.measure_matmul_peak``, all cores). Prints ms per step, GFLOP/s, % of the peak
-and each implementation's time over fedax's (> 1: slower than fedax).
+(``common.measure_matmul_peak``, all cores; ``--no-peak`` skips it). Prints ms per step,
+GFLOP/s, % of the peak and each implementation's time over fedax's (> 1: slower than fedax).
+
+``--device cuda``: PyTorch's model and batches on the GPU (``nn.LSTM`` runs cuDNN's LSTM),
+each timed repeat ending in ``torch.cuda.synchronize()``; fedax runs on JAX's default
+backend either way (the GPU where jaxlib has CUDA). The CPU's matmul peak means nothing
+there: pass ``--no-peak``.
 """
 
 from __future__ import annotations
@@ -115,7 +120,7 @@ def _fedax_timer(impl: str, steps: int, batch: int):
     return run
 
 
-def _torch_timer(steps: int, batch: int):
+def _torch_timer(steps: int, batch: int, device: str = "cpu"):
     import torch
 
     torch.set_num_threads(common.num_cores())
@@ -131,10 +136,10 @@ def _torch_timer(steps: int, batch: int):
         def forward(self, x):
             return self.out(self.lstm(self.embed(x))[0])
 
-    model = CharLSTM()
+    model = CharLSTM().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = _data(steps, batch)
-    xs, ys = torch.from_numpy(x).long(), torch.from_numpy(y).long()
+    xs, ys = torch.from_numpy(x).long().to(device), torch.from_numpy(y).long().to(device)
 
     def run():
         for s in range(steps):
@@ -143,29 +148,46 @@ def _torch_timer(steps: int, batch: int):
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ys[s].reshape(-1))
             loss.backward()
             opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     run()
     return run
 
 
-def worker(impl: str, steps: int, batch: int, repeats: int) -> dict:
-    run = _torch_timer(steps, batch) if impl == "pytorch" else _fedax_timer(impl, steps, batch)
+def worker(impl: str, steps: int, batch: int, repeats: int, device: str = "cpu") -> dict:
+    if impl == "pytorch":
+        run = _torch_timer(steps, batch, device)
+    else:
+        run = _fedax_timer(impl, steps, batch)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append((time.perf_counter() - start) / steps)
-    return {"impl": impl, "ms_per_step": [1e3 * t for t in times]}
+    out = {"impl": impl, "ms_per_step": [1e3 * t for t in times]}
+    if impl == "pytorch":
+        out["device"] = device
+        if device == "cuda":
+            import torch
+
+            out["device_name"] = torch.cuda.get_device_name()
+            out["device_memory"] = {"peak_bytes_in_use": int(torch.cuda.max_memory_allocated())}
+    else:
+        out["device"] = common.jax_device_info()
+        out["device_memory"] = common.jax_device_memory()
+    return out
 
 
-def _spawn(impl: str, args) -> dict | None:
+def _spawn(impl: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, "--batch",
-           str(args.batch), "--steps", str(args.steps), "--repeats", str(args.repeats)]
+           str(args.batch), "--steps", str(args.steps), "--repeats", str(args.repeats),
+           "--device", args.device]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         tail = (out.stderr.strip().splitlines() or ["?"])[-1]
         print(f"  {impl}: skipped ({tail})", flush=True)
-        return None
+        return {"error": tail}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -177,30 +199,42 @@ def main(argv=None) -> int:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--only", default=",".join(IMPLS))
     parser.add_argument("--json", default=None, help="write the record here")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where PyTorch runs (fedax: JAX's default backend)")
+    parser.add_argument("--no-peak", action="store_true",
+                        help="skip measuring the CPU's float32 matmul peak")
     parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.steps, args.batch, args.repeats)))
+        print(json.dumps(worker(args.worker, args.steps, args.batch, args.repeats,
+                                args.device)))
         return 0
 
     impls = [i for i in args.only.split(",") if i]
     unknown = sorted(set(impls) - set(IMPLS))
     if unknown:
         parser.error(f"--only: unknown {unknown}; choose from {', '.join(IMPLS)}")
-    peak = common.measure_matmul_peak()
+    peak = None if args.no_peak else common.measure_matmul_peak()
     samples: dict[str, list[float]] = {i: [] for i in impls}
+    details: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
     for p in range(args.passes):
         order = impls[p % len(impls):] + impls[: p % len(impls)]
         print(f"pass {p + 1}/{args.passes}: {', '.join(order)}", flush=True)
         for impl in order:
             result = _spawn(impl, args)
-            if result:
-                samples[impl].extend(result["ms_per_step"])
+            if "error" in result:
+                skipped.setdefault(impl, result["error"])
+            else:
+                samples[impl].extend(result.pop("ms_per_step"))
+                details[impl] = result
     flops = step_flops(args.batch)
     rows = []
     base = statistics.median(samples["fedax"]) if samples.get("fedax") else None
-    print(f"\nB = {args.batch}, T = {SEQ}: {flops / 1e9:.2f} GFLOP a step; float32 matmul "
-          f"peak {peak['flops'] / 1e9:.1f} GFLOP/s ({common.num_cores()} cores)")
+    peak_text = ("" if peak is None else
+                 f"; float32 matmul peak {peak['flops'] / 1e9:.1f} GFLOP/s "
+                 f"({common.num_cores()} cores)")
+    print(f"\nB = {args.batch}, T = {SEQ}: {flops / 1e9:.2f} GFLOP a step{peak_text}")
     print(f"{'implementation':18} {'ms/step':>8} {'min':>7} {'GFLOP/s':>8} {'% peak':>7} "
           f"{'x fedax':>8}")
     for impl in impls:
@@ -208,19 +242,21 @@ def main(argv=None) -> int:
             continue
         ms = statistics.median(samples[impl])
         rate = flops / ms / 1e6
+        fraction = None if peak is None else rate * 1e9 / peak["flops"]
         rows.append({"impl": impl, "ms_per_step_median": ms, "ms_per_step_min": min(samples[impl]),
                      "samples": samples[impl], "gflops_per_s": rate,
-                     "fraction_of_peak": rate * 1e9 / peak["flops"],
-                     "x_fedax": ms / base if base else None})
+                     "fraction_of_peak": fraction,
+                     "x_fedax": ms / base if base else None, **details.get(impl, {})})
         ratio = f"{ms / base:8.2f}" if base else " " * 8
-        print(f"{impl:18} {ms:8.2f} {min(samples[impl]):7.2f} {rate:8.1f} "
-              f"{100 * rate * 1e9 / peak['flops']:6.1f}% {ratio}")
+        share = "      —" if fraction is None else f"{100 * fraction:6.1f}%"
+        print(f"{impl:18} {ms:8.2f} {min(samples[impl]):7.2f} {rate:8.1f} {share} {ratio}")
     if args.json:
         common.write_json(args.json, {
             "comparison": "char_lstm_step", "batch": args.batch, "seq_len": SEQ,
             "model": {"vocab": VOCAB, "embed": EMBED, "hidden": HIDDEN, "layers": LAYERS},
             "step_gflop": flops / 1e9, "steps": args.steps, "repeats": args.repeats,
-            "passes": args.passes, "matmul_peak": peak, "rows": rows,
+            "passes": args.passes, "device": args.device, "matmul_peak": peak, "rows": rows,
+            "skipped": {k: v for k, v in skipped.items() if not samples[k]},
             "machine": common.machine_info(), "date": common.now_iso(),
             "versions": common.versions("jax", "jaxlib", "torch"),
         })

@@ -11,6 +11,9 @@ in this process with ``--threads`` intra-op threads (default: one per core). ``-
 splits each round's clients over 2 long-lived worker processes (``multiprocessing``, spawn)
 with 1 thread each; each returns its n_k-weighted sum of client models and this process
 averages them. A round is timed from sampling the cohort to the new global model.
+``--device cuda`` (with ``--procs 1``) trains on the GPU: model, data and each client's
+steps there, the round's end synchronized before it is timed (``torch.cuda.synchronize``);
+the record then holds the peak of PyTorch's CUDA allocator (``device_memory``).
 """
 
 from __future__ import annotations
@@ -54,7 +57,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
     common.add_process_args(parser)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the loop trains (cuda: the first GPU, --procs 1 only)")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and args.procs != 1:
+        parser.error("--device cuda runs one process (--procs 1)")
     threads = common.threads_per_process(args)
 
     import torch
@@ -62,16 +69,23 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(threads)
     torch.set_num_interop_threads(1)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    device = torch.device(args.device)
     train, x_np, y_np = common.load_federated_mnist()
-    net = tc.build_model(args.model)
+    net = tc.build_model(args.model).to(device)
     global_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     workers = []
     with common.RssMonitor() as rss:
         clock = common.RoundClock()
         clock.mark()  # the first (warm-up) round also covers starting the workers
         if args.procs == 1:
-            x, y = tc.to_tensors(x_np, y_np)
+            x, y = (t.to(device) for t in tc.to_tensors(x_np, y_np))
         else:
             ctx = mp.get_context("spawn")
             for _ in range(args.procs):
@@ -108,18 +122,28 @@ def main(argv=None) -> int:
                     loss += part_loss
             global_state = tc.scale(acc, 1.0 / weight)
             losses.append(loss / weight)
+            synchronize()
             clock.mark()
         for proc, conn in workers:
             conn.send(None)
             proc.join(timeout=10)
 
     config = f"{args.procs} proc x {threads} thread" + ("s" if threads > 1 else "")
+    extra = {"procs": args.procs, "threads": threads, "device": args.device,
+             "torch_config": {"num_threads": torch.get_num_threads(),
+                              "parallel_info": torch.__config__.parallel_info()}}
+    if device.type == "cuda":
+        config = f"cuda ({torch.cuda.get_device_name(device)})"
+        extra["device_memory"] = {
+            "peak_bytes_in_use": int(torch.cuda.max_memory_allocated(device)),
+            "peak_bytes_reserved": int(torch.cuda.max_memory_reserved(device))}
+        extra["torch_config"].update(
+            cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+            matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+            cudnn_allow_tf32=torch.backends.cudnn.allow_tf32)
     record = common.run_record(
         "pytorch", config, args.model, clock, args.warmup, rss,
-        train_losses=losses, packages=("torch",),
-        extra={"procs": args.procs, "threads": threads,
-               "torch_config": {"num_threads": torch.get_num_threads(),
-                                "parallel_info": torch.__config__.parallel_info()}},
+        train_losses=losses, packages=("torch",), extra=extra,
     )
     common.finish(record, args.json)
     return 0

@@ -38,6 +38,11 @@ NUM_CLIENTS = 100
 EXAMPLES_PER_CLIENT = 600  # 60,000 MNIST training examples, IID
 CLIENT_FRACTION = 0.1  # C: 10 clients a round
 LOCAL_EPOCHS = 5  # E
+# FEDAX_BENCH_SMOKE=1: toy sizes for smoke runs (benchmarks/gpu/run.sh --smoke): 2 clients a
+# round, E = 1 (60 steps a client). The record's workload says so ("smoke": true).
+SMOKE = os.environ.get("FEDAX_BENCH_SMOKE", "") not in ("", "0")
+if SMOKE:
+    CLIENT_FRACTION, LOCAL_EPOCHS = 0.02, 1
 BATCH_SIZE = 10  # B
 CLIENT_LR = 0.05
 SEED = 0
@@ -60,6 +65,7 @@ WORKLOAD = {
     "steps_per_client": STEPS_PER_CLIENT,
     "examples_per_round": EXAMPLES_PER_ROUND,
     "seed": SEED,
+    **({"smoke": True} if SMOKE else {}),
 }
 
 # A measured round is "disturbed" (and left out of the statistics) when other processes
@@ -443,6 +449,31 @@ def machine_info() -> dict[str, Any]:
         if var in os.environ:
             info.setdefault("env", {})[var] = os.environ[var]
     return info
+
+
+def jax_device_memory() -> dict[str, Any] | None:
+    """The first JAX device's allocator figures (``peak_bytes_in_use``, ``bytes_in_use``,
+    ``bytes_limit``, in bytes) since the process started; None where the backend keeps none
+    (XLA:CPU)."""
+    import jax
+
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # a backend without allocator statistics
+        return None
+    if not stats:
+        return None
+    keys = ("peak_bytes_in_use", "bytes_in_use", "bytes_limit", "largest_alloc_size")
+    return {k: int(stats[k]) for k in keys if k in stats}
+
+
+def jax_device_info() -> dict[str, Any]:
+    """JAX's backend and its first device (kind, platform), for a record."""
+    import jax
+
+    device = jax.devices()[0]
+    return {"backend": jax.default_backend(), "device_kind": device.device_kind,
+            "platform": device.platform, "device_count": jax.device_count()}
 
 
 def now_iso() -> str:

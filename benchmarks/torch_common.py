@@ -61,13 +61,15 @@ def train_client(
     lr: float,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """ClientUpdate: start from ``global_state``, one SGD step per batch of example
-    indices, in order. Returns (the client's new state, mean training loss)."""
+    indices, in order. Returns (the client's new state, mean training loss). On a GPU,
+    ``net``, ``global_state``, ``x`` and ``y`` live on it and each batch's indices are copied
+    there; the loss read at the end waits for the client's steps."""
     net.load_state_dict(global_state)
     net.train()
     opt = torch.optim.SGD(net.parameters(), lr=lr)
-    total = torch.zeros(())
+    total = torch.zeros((), device=x.device)
     for b in batches:
-        index = torch.from_numpy(b)
+        index = torch.from_numpy(b).to(x.device)
         xb, yb = x.index_select(0, index), y.index_select(0, index)
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(net(xb), yb)
