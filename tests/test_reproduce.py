@@ -227,3 +227,19 @@ def test_a_diverging_grid_point_is_a_miss_not_the_end_of_the_reproduction(tmp_pa
     assert big["rounds_to_target"] is None
     saved = json.loads((tmp_path / "runs" / "avg" / "lr_10000" / "summary.json").read_text())
     assert saved["diverged"] is True
+
+
+def test_a_run_of_another_config_is_set_aside_not_deleted(tmp_path):
+    def paper(rounds):
+        return Paper(name="tiny-aside", title="t", paper="none", kind="table", base=BASE,
+                     cells=[], quick=[Cell("avg", "FedAvg", "IID", {
+                         "algorithm": "fedavg", "local_epochs": 1, "batch_size": 10,
+                         "rounds": rounds, "stop_at_target": False}, (0.1,))])
+
+    reproduce(paper(2), tmp_path, quick=True, progress=False, log=lambda _: None)
+    first = (tmp_path / "runs" / "avg" / "lr_0.1" / "summary.json").read_text()
+    reproduce(paper(3), tmp_path, quick=True, progress=False, log=lambda _: None)
+    (aside,) = (tmp_path / "runs" / "avg" / "replaced").iterdir()
+    assert aside.name.startswith("lr_0.1-") and (aside / "summary.json").read_text() == first
+    now = json.loads((tmp_path / "runs" / "avg" / "lr_0.1" / "summary.json").read_text())
+    assert now["rounds_run"] == 3 and json.loads(first)["rounds_run"] == 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-import shutil
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -93,7 +93,7 @@ def run_one(
     if done is not None:
         return done
     if (out / "summary.json").exists():
-        shutil.rmtree(out)  # a finished run of another config: start over
+        _set_aside(out)  # a finished run of another config: kept, and this one starts
     from fedax.experiments.run import run_experiment
 
     runner = functools.partial(run_experiment, tensorboard=paper.tensorboard)
@@ -104,9 +104,18 @@ def run_one(
             summary = _diverged_as_miss(runner, config, out, wanted, progress, label)
         except CheckpointError:
             # Checkpoints of another config (e.g. the cell's rounds changed): start over.
-            shutil.rmtree(out)
+            _set_aside(out)
             summary = _diverged_as_miss(runner, config, out, wanted, progress, label)
     return _with_records(paper, summary, out)
+
+
+def _set_aside(out: Path) -> None:
+    """Moves a run of another config to ``replaced/<name>-<time>`` beside it (not deleted)."""
+    aside = out.parent / "replaced" / f"{out.name}-{time.strftime('%Y%m%dT%H%M%S')}"
+    while aside.exists():
+        aside = aside.with_name(aside.name + "+")
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    out.rename(aside)
 
 
 def _diverged_as_miss(runner, config, out, wanted, progress, label) -> dict[str, Any]:

@@ -1,4 +1,3 @@
-"""Per-paper logic beyond config runs: a paper file names its hook (``hook: NAME``), a
-module here that the engine calls by name (``run``, ``settings``, ``derive``, ``figures``)."""
+"""Per-paper logic beyond config runs, called by name from a paper file (``hook: NAME``)."""
 
 __all__: list[str] = []
