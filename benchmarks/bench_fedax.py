@@ -67,11 +67,9 @@ def main(argv=None) -> int:
     split_host(host_devices)
 
     import jax
-    import optax
 
     import fedax
-    from fedax.algorithms import fedavg
-    from fedax.models import get_model, softmax_cross_entropy
+    from fedax.models import get_model
     from fedax.simulation import Execution, choose_execution, run
 
     model_kwargs = {}
@@ -91,18 +89,8 @@ def main(argv=None) -> int:
         return 0
     train, _, _ = common.load_federated_mnist()
 
-    def loss_fn(p, batch):
-        return softmax_cross_entropy(model.apply(p, batch.x), batch.y, batch.mask)
-
-    algorithm = fedavg(loss_fn, optax.sgd(common.CLIENT_LR))
-
-    clock = common.RoundClock()
+    algorithm, clock, timing_evaluate = common.timed_fedavg(model, common.CLIENT_LR)
     losses: list[float] = []
-
-    def timing_evaluate(server_params):
-        jax.block_until_ready(server_params)
-        clock.mark()
-        return 0.0, 0.0
 
     exec_text = ":".join(str(v) for v in execution)
     config = exec_text if strategy is not None else f"default ({exec_text})"

@@ -396,6 +396,29 @@ class RoundClock:
 
 
 # ----------------------------------------------------------------------------- statistics
+def timed_fedavg(model, lr: float):
+    """FedAvg (client SGD at ``lr``, softmax cross-entropy) with a :class:`RoundClock` and an
+    ``evaluate`` that only marks it once the round's model is ready: ``(algorithm, clock,
+    evaluate)``, the timed setup of every fedax benchmark."""
+    import jax
+    import optax
+
+    from fedax.algorithms import fedavg
+    from fedax.models import softmax_cross_entropy
+
+    def loss_fn(p, batch):
+        return softmax_cross_entropy(model.apply(p, batch.x), batch.y, batch.mask)
+
+    clock = RoundClock()
+
+    def timing_evaluate(server_params):
+        jax.block_until_ready(server_params)
+        clock.mark()
+        return 0.0, 0.0
+
+    return fedavg(loss_fn, optax.sgd(lr)), clock, timing_evaluate
+
+
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Median/min/max seconds per round over the undisturbed measured rounds (all rounds,
     flagged ``all_disturbed``, when every one was disturbed), and rounds per hour."""

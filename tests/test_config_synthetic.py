@@ -10,7 +10,7 @@ from fedax.cli.main import main
 from fedax.experiments.config import ConfigError, config_to_dict, validate_config
 from fedax.experiments.datasets import _linear_kwargs, build_data
 from fedax.experiments.resume import _fingerprint
-from fedax.reproduce.runs import _same_config
+from fedax.reproduce.runs import same_config
 
 SYNTHETIC = {
     "rounds": 2, "dataset": "synthetic", "num_clients": 12, "model": "logistic",
@@ -83,8 +83,8 @@ def test_new_keys_at_their_defaults_keep_older_runs_and_checkpoints_valid():
     fingerprint = _fingerprint(config)
     assert not set(fingerprint) & {*new_keys, "checkpoint_every"}
     assert all(fingerprint[k] == older[k] for k in fingerprint)
-    assert _same_config(older, saved)  # a summary written before the keys existed is reused
-    assert not _same_config({**older, "rounds": 3}, saved)
+    assert same_config(older, saved)  # a summary written before the keys existed is reused
+    assert not same_config({**older, "rounds": 3}, saved)
     stragglers = validate_config({**SYNTHETIC, "stragglers": 0.5})
     assert _fingerprint(stragglers)["stragglers"] == 0.5
 

@@ -144,8 +144,8 @@ def test_reproduce_picks_the_best_lr_writes_the_report_and_reuses_runs(tmp_path)
     assert one["cells"][0]["rounds_to_target"] == avg["rounds_to_target"]
     saved_config = json.loads((out / "runs" / "avg" / "lr_0.1" / "summary.json").read_text())[
         "config"]
-    assert runs._same_config({**saved_config, "checkpoint_every": 7}, saved_config)
-    assert not runs._same_config({**saved_config, "rounds": 9}, saved_config)
+    assert runs.same_config({**saved_config, "checkpoint_every": 7}, saved_config)
+    assert not runs.same_config({**saved_config, "rounds": 9}, saved_config)
 
     # --report-only runs nothing and reads an unfinished run from its newest readable
     # checkpoint: FedSGD made to look stopped after round 2 (no summary; its round-4

@@ -89,12 +89,10 @@ def main(argv=None) -> int:
         parser.error(f"--per-round must lie in [1, {args.clients}]")
 
     import jax
-    import optax
 
     import fedax
-    from fedax.algorithms import fedavg
     from fedax.data import ClientData, load_mnist, num_local_steps
-    from fedax.models import get_model, softmax_cross_entropy
+    from fedax.models import get_model
     from fedax.simulation import Execution, choose_execution, run
 
     started = time.perf_counter()
@@ -113,17 +111,8 @@ def main(argv=None) -> int:
         map_, steps, devices = args.strategy.split(":")
         execution = Execution(map_, steps, int(devices)).validate()
 
-    def loss_fn(p, batch):
-        return softmax_cross_entropy(model.apply(p, batch.x), batch.y, batch.mask)
-
-    algorithm = fedavg(loss_fn, optax.sgd(CLIENT_LR))
-    clock = common.RoundClock()
+    algorithm, clock, timing_evaluate = common.timed_fedavg(model, CLIENT_LR)
     losses: list[float] = []
-
-    def timing_evaluate(server_params):
-        jax.block_until_ready(server_params)
-        clock.mark()
-        return 0.0, 0.0
 
     fraction = args.per_round / args.clients
     with common.RssMonitor() as rss:

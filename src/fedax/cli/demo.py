@@ -63,19 +63,14 @@ def _foreign_runs(paper, out: Path) -> list[Path]:
     """Finished runs in ``out/runs`` of a config that is none of this demo's (whatever
     their rounds: a grid point stops at a cap), which the demo would replace."""
     from fedax.experiments.config import config_to_dict
-    from fedax.reproduce.runs import cell_config
+    from fedax.reproduce.runs import cell_config, same_config
 
-    wanted = {}
-    for cell in paper.quick:
-        for lr in cell.lrs:
-            config = config_to_dict(cell_config(paper, cell, lr))
-            wanted[(cell.name, lr)] = {k: v for k, v in config.items() if k != "rounds"}
+    wanted = [config_to_dict(cell_config(paper, cell, lr))
+              for cell in paper.quick for lr in cell.lrs]
     foreign = []
     for summary in sorted((out / "runs").glob("*/*/summary.json")):
         saved = json.loads(summary.read_text()).get("config", {})
-        saved = {k: v for k, v in saved.items() if k not in ("rounds", "checkpoint_every")}
-        if not any(saved == {k: v for k, v in w.items() if k != "checkpoint_every"}
-                   for w in wanted.values()):
+        if not any(same_config({**saved, "rounds": w["rounds"]}, w) for w in wanted):
             foreign.append(summary.parent)
     return foreign
 

@@ -52,7 +52,7 @@ def lr_dirname(lr: float) -> str:
 _NOT_THE_RUN = ("checkpoint_every",)
 
 
-def _same_config(saved: Any, wanted: dict[str, Any]) -> bool:
+def same_config(saved: Any, wanted: dict[str, Any]) -> bool:
     """A saved run's config is the wanted one, keys added to the schema since (at their
     defaults) and keys that do not change the run (:data:`_NOT_THE_RUN`) aside: the saved
     config is validated again, which fills them in."""
@@ -79,7 +79,7 @@ def _finished(paper: Paper, cell: Cell, lr: float, out: Path, rounds: int | None
     summary_path = out / "summary.json"
     if summary_path.exists():
         done = json.loads(summary_path.read_text())
-        if _same_config(done.get("config"), wanted):
+        if same_config(done.get("config"), wanted):
             return config, wanted, _with_records(paper, {**done, "reused": True}, out)
     return config, wanted, None
 
