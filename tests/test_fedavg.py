@@ -90,7 +90,7 @@ def np_fedavg_round(w0, b0, clients, sizes, epochs, batch_size, lr, perms):
     return w_new, b_new
 
 
-@pytest.mark.parametrize("map_strategy", ["vmap", "sequential", "unroll", "processes"])
+@pytest.mark.parametrize("map_strategy", ["vmap", "sequential", "unroll", "lockstep", "processes"])
 @pytest.mark.parametrize("steps", ["scan", "unroll"])
 def test_fedavg_round_matches_numpy_algorithm_1(problem, map_strategy, steps):
     """``processes``: blocks of clients in two worker processes (see test_processes.py)."""

@@ -886,7 +886,7 @@ def strategy_results(sgd_data):
     return results
 
 
-@pytest.mark.parametrize("strategy", ["sequential", "unroll"])
+@pytest.mark.parametrize("strategy", ["sequential", "unroll", "lockstep"])
 def test_strategies_give_identical_values_and_gradients(strategy, strategy_results):
     assert_tree_allclose(strategy_results(strategy), strategy_results("vmap"), rtol=1e-6, atol=1e-6)
 

@@ -56,7 +56,8 @@ def test_same_seed_gives_identical_metrics_and_other_seed_differs(small_mnist):
 
 def test_execution_strategies_agree(small_mnist):
     ref = _run(small_mnist, 0, Execution("sequential", "scan"), rounds=2)
-    for execution in (Execution("vmap", "scan"), Execution("unroll", "unroll")):
+    for execution in (Execution("vmap", "scan"), Execution("unroll", "unroll"),
+                      Execution("lockstep", "scan")):
         other = _run(small_mnist, 0, execution, rounds=2)
         for r1, r2 in zip(ref.records, other.records, strict=True):
             assert r1["test_loss"] == pytest.approx(r2["test_loss"], rel=1e-4)
@@ -66,7 +67,7 @@ def test_execution_strategies_agree(small_mnist):
             np.testing.assert_allclose(p1, p2, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", ["sequential", "vmap"])
+@pytest.mark.parametrize("strategy", ["sequential", "vmap", "lockstep"])
 @pytest.mark.parametrize("devices", [2, 8])
 def test_rounds_sharded_over_devices_equal_one_device(small_mnist, strategy, devices):
     """4 clients a round over 8 devices also exercises padding with empty clients."""

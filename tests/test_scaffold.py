@@ -123,7 +123,8 @@ def flat(tree):
 
 @pytest.mark.parametrize(
     "option,map_strategy,steps",
-    [("II", "vmap", "scan"), ("I", "sequential", "unroll"), ("II", "processes", "scan")],
+    [("II", "vmap", "scan"), ("I", "sequential", "unroll"), ("II", "processes", "scan"),
+     ("I", "lockstep", "scan")],
 )
 def test_two_rounds_partial_cohort_match_numpy_algorithm_1(problem, option, map_strategy, steps):
     """``processes``: stateful clients with the client map in worker processes."""

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedax import federated as fed
 from fedax.client.early_stopping import (
     EBStopping,
     eb_criterion,
@@ -48,6 +49,13 @@ class Batches(NamedTuple):
     x: jax.Array | np.ndarray | ByteCoded
     y: jax.Array | np.ndarray
     mask: jax.Array | np.ndarray
+
+    def client_steps(self) -> jax.Array:
+        """``[C]`` real steps (a batch with a real example) of each client of client-placed
+        batches (``mask [C, S, B]``): what balances devices and groups clients in lockstep
+        (``fedax.federated._lockstep``)."""
+        mask = jnp.asarray(self.mask)
+        return jnp.sum(jnp.any(mask.reshape(*mask.shape[:2], -1) > 0, axis=-1), axis=-1)
 
 
 def decoded(batches: Batches) -> Batches:
@@ -107,8 +115,19 @@ def _masked_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, loss_
 
         # A real branch: a client program that runs alone (the sequential strategy) does
         # no work for its padding steps, which matters when client sizes are skewed
-        # (Shakespeare: 1 to 600 samples). Under vmap it becomes a select of both.
-        carry, loss = jax.lax.cond(valid, real, skip, carry)
+        # (Shakespeare: 1 to 600 samples). Under vmap it becomes a select of both; in a
+        # lockstep group the whole group skips a step none of its clients has.
+        axis = fed.lockstep_axis()
+        if axis is None:
+            carry, loss = jax.lax.cond(valid, real, skip, carry)
+        else:
+            def lanes(carry):
+                (new, loss) = real(carry)
+                new = jax.tree.map(lambda a, b: jnp.where(valid, a, b), new, carry)
+                return new, jnp.where(valid, loss, jnp.zeros_like(loss))
+
+            anyone = jax.lax.psum(valid.astype(jnp.int32), axis) > 0
+            carry, loss = jax.lax.cond(anyone, lanes, skip, carry)
         return carry, (loss, valid.astype(jnp.float32))
 
     return step

@@ -11,6 +11,7 @@ from fedax.federated._audit import (
 )
 from fedax.federated._comm import CommCost, comm_cost
 from fedax.federated._dp import dp_clip, dp_noise
+from fedax.federated._lockstep import balance_devices, lockstep_axis, lockstep_width
 from fedax.federated._primitives import (
     CLIENTS_AXIS,
     ClientMapper,
@@ -46,6 +47,7 @@ __all__ = [
     "SumAudit",
     "audit_sums",
     "audit_table",
+    "balance_devices",
     "broadcast",
     "broadcast_p",
     "collect",
@@ -56,6 +58,8 @@ __all__ = [
     "distribute_p",
     "dp_clip",
     "dp_noise",
+    "lockstep_axis",
+    "lockstep_width",
     "map_clients",
     "map_strategy",
     "mean",

@@ -44,6 +44,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec
 
+from fedax.federated import _lockstep
+
 CLIENTS_AXIS = "clients"
 
 # --------------------------------------------------------------------------------------
@@ -378,11 +380,11 @@ def weighted_mean(x: Any, weights: jax.Array) -> Any:
 # map_clients and its execution strategy.
 # --------------------------------------------------------------------------------------
 
-MapStrategy = Literal["vmap", "sequential", "unroll"]
+MapStrategy = Literal["vmap", "sequential", "unroll", "lockstep"]
 # A jit-cache-sensitive context: a function traced under one strategy is retraced under
 # another, never silently reused.
 _MAP_STRATEGY = jax.make_user_context(default_value="vmap")
-_MAP_STRATEGIES = ("vmap", "sequential", "unroll")
+_MAP_STRATEGIES = ("vmap", "sequential", "unroll", "lockstep")
 
 
 class ClientMapper(Protocol):
@@ -403,6 +405,9 @@ def map_strategy(strategy: MapStrategy | ClientMapper) -> Iterator[None]:
       proportional to one client);
     * ``"unroll"``: one straight-line copy of the client program per client (XLA:CPU runs
       convolutions much faster outside loops);
+    * ``"lockstep"``: clients sorted by their real local steps, ``vmap`` over groups of
+      similar clients one group after another, each group stopping at its longest client
+      (``fedax.federated.lockstep_width``; see ``fedax.federated._lockstep``);
     * a ``ClientMapper`` object: ``map_clients`` is handed to it (the ``processes``
       strategy of ``fedax.simulation`` runs blocks of clients in worker processes).
 
@@ -430,6 +435,8 @@ def _map_local(f: Callable[..., Any], xs: tuple, strategy: MapStrategy | ClientM
         return jax.vmap(f)(*xs)
     if strategy == "sequential":
         return jax.lax.map(lambda args: f(*args), xs)
+    if strategy == "lockstep":
+        return _lockstep.lockstep_map(f, xs)
     outs = [f(*jax.tree.map(lambda a, i=i: a[i], xs)) for i in range(_num_clients(xs))]
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *outs)
 
@@ -443,8 +450,11 @@ def map_clients(f: Callable[..., Any], *xs: Any) -> Any:
 
     Under a mesh with a ``clients`` axis of size d, the clients are split into d equal
     blocks, one per device (``shard_map``), and each device runs the strategy over its own
-    block; no data moves between devices. The number of clients must then be a multiple of
-    d (the runner pads cohorts with empty clients of weight zero).
+    block. The number of clients must then be a multiple of d (the runner pads cohorts with
+    empty clients of weight zero). When an argument tells each client's real steps
+    (``fedax.client.Batches``), the blocks are balanced by steps, not contiguous: the
+    clients move between devices before the map and back after it, so outputs, and all that
+    follows, are in cohort order (``fedax.federated.balance_devices``).
     """
     if not xs:
         raise ValueError("map_clients needs at least one client-placed argument.")
@@ -467,4 +477,13 @@ def map_clients(f: Callable[..., Any], *xs: Any) -> Any:
         out_specs=spec,
         check_vma=False,
     )
-    return local(*_constrain_clients(xs))
+    steps = _lockstep.client_steps(xs) if _lockstep.balancing() else None
+    devices = mesh.shape[CLIENTS_AXIS]
+    if steps is None or devices == 1:
+        return local(*_constrain_clients(xs))
+    perm = _lockstep.balanced_permutation(_place(steps, mesh, PartitionSpec()), devices)
+    moved = jax.tree.map(lambda a: jnp.take(a, perm, axis=0), _place(xs, mesh, PartitionSpec()))
+    out = local(*_constrain_clients(moved))
+    back = _lockstep.inverse(perm)
+    out = jax.tree.map(lambda a: jnp.take(a, back, axis=0), _place(out, mesh, PartitionSpec()))
+    return _constrain_clients(out)

@@ -28,7 +28,7 @@ from fedax import federated as fed
 from fedax.client import steps_strategy
 from fedax.simulation.host import usable_cores
 
-MAP_STRATEGIES = ("vmap", "sequential", "unroll", "processes")
+MAP_STRATEGIES = ("vmap", "sequential", "unroll", "lockstep", "processes")
 STEPS_STRATEGIES = ("scan", "unroll")
 
 
