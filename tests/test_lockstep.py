@@ -187,3 +187,19 @@ def test_bad_width_is_refused():
     with pytest.raises(ValueError, match="lockstep width must be a positive int"):
         with fed.lockstep_width(0):
             pass
+
+
+def test_worker_processes_get_balanced_blocks_and_the_same_round():
+    """``processes`` deals clients to its workers by steps too (8 clients, 2 workers)."""
+    from fedax.simulation.processes import client_processes
+
+    (ref, ref_steps), _, _ = _round("sequential")
+    cohort, _ = skewed_cohort(epochs=2)
+    alg = fedavg(loss_fn, optax.sgd(0.3, momentum=0.5))
+    mapper = client_processes(2)
+    with fed.map_strategy(mapper):
+        state, metrics = jax.jit(lambda p: alg.round(alg.init(p, None), cohort,
+                                                     jax.random.key(0)))(params0())
+    for a, b in zip(jax.tree.leaves(state.server.params), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["local_steps"], ref_steps)

@@ -9,8 +9,9 @@ program in the calling process and sends only the client map out:
   the traced values it closes over into explicit arguments, and exports (``jax.export``)
   a program that runs a block of ``b`` clients one after another (``lax.map``);
 * the round calls back (``jax.pure_callback``) with the clients' inputs; the callback
-  splits the cohort into one contiguous block per worker (the last padded by repeating its
-  last client, whose outputs are dropped), writes each block into shared memory, and the
+  splits the cohort into one block per worker, of near-equal local steps when the cohort
+  divides evenly (the clients dealt by steps, as devices are: ``fedax.federated._lockstep``),
+  else contiguous (the last padded by repeating its last client, whose outputs are dropped), writes each block into shared memory, and the
   workers, each a JAX runtime pinned to its own core, run the exported program on it. An
   input that ``fed.broadcast`` placed at the clients (the model) is sent once per worker,
   as the server value, not once per client;
@@ -44,6 +45,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from fedax.federated import _lockstep
 from fedax.federated._primitives import broadcast_p
 from fedax.simulation._client_worker import read_message, write_message
 from fedax.simulation.host import cpu_dots, usable_cores
@@ -279,8 +281,18 @@ class ClientProcesses:
         def host(consts, block_inputs):
             return self._run(key, workers, block, n, consts, block_inputs, result_shapes)
 
-        outs = _not_differentiable(host, result_shapes, list(hoisted) + server_values,
-                                   [flat_xs[i] for i in per_client])
+        # Workers get blocks of near-equal steps, not contiguous ones (as devices do:
+        # fedax.federated._lockstep); outputs come back in cohort order.
+        steps = _lockstep.client_steps(xs) if _lockstep.balancing() else None
+        own = [flat_xs[i] for i in per_client]
+        perm = None
+        if steps is not None and workers > 1 and n % workers == 0:
+            perm = _lockstep.balanced_permutation(steps, workers)
+            own = [jnp.take(a, perm, axis=0) for a in own]
+        outs = _not_differentiable(host, result_shapes, list(hoisted) + server_values, own)
+        if perm is not None:
+            back = _lockstep.inverse(perm)
+            outs = [jnp.take(o, back, axis=0) for o in outs]
         return jax.tree.unflatten(out_tree, outs)
 
     def _run(self, key, workers, block, n, consts, inputs, result_shapes):
