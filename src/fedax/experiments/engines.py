@@ -23,7 +23,7 @@ class ExecutionConfig(_Section):
     client processes, ``fedax.runtime``, with the ``network:`` section)."""
 
     mode: Literal["sync", "async", "network"] = "sync"
-    strategy: Literal["auto", "vmap", "sequential", "unroll", "processes"] = "auto"
+    strategy: Literal["auto", "vmap", "sequential", "unroll", "lockstep", "processes"] = "auto"
     local_steps: Literal["auto", "scan", "unroll"] = "auto"
     devices: Any = Field("auto", description="'auto' or an integer >= 1")
 
