@@ -301,9 +301,13 @@ def main(argv=None) -> int:
         torch_worker(path, int(threads), int(part), int(parts))
         return 0
     cores = common.num_cores()
+    from fedax.cli.processes import with_collective_patience
+
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cores}"
+        flags = f"{flags} --xla_force_host_platform_device_count={cores}"
+    # contiguous blocks of skewed clients keep one device at the sum for minutes
+    os.environ["XLA_FLAGS"] = with_collective_patience(flags)
     arrays = cohort_arrays(args.max_clients, args.seed)
     record = {"benchmark": "bench_lockstep", "time": common.now_iso(),
               "machine": common.machine_info(), "args": vars(args),

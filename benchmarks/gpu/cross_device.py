@@ -3,14 +3,9 @@
     python benchmarks/gpu/cross_device.py --per-round 1000 --rounds 5 --json out.json
     python benchmarks/gpu/cross_device.py --clients 200 --per-round 20 --rounds 1   # toy
 
-Population (:func:`population`): ``--clients`` N = 10,000 MNIST clients. Client k has n_k
-examples, ``n_k = clip(int(LogNormal(ln 45, 0.5)), 20, 100)`` (a skewed natural-looking size
-law: median 45, mean about 50), and its own class mix ``q_k ~ Dir(alpha 1)`` over the 10
-digits (Hsu et al. 2019's Dirichlet scheme; ``--alpha`` 0.5: most clients dominated by 2-4
-digits); its class counts are ``Multinomial(n_k, q_k)`` and its examples of class c a run of
-a fixed random permutation of MNIST's class-c training examples from a random start (distinct
-within a client). N x 50 examples are about 500,000 draws from 60,000 images, so one image
-serves several clients, as one word serves many phones' keyboards.
+Population and round: ``benchmarks/cross_device.py`` (shared with the peers of
+``benchmarks/compare_cross_device.py``): ``--clients`` N = 10,000 MNIST clients of 20-100
+examples (lognormal sizes, median 45), each with its own class mix ``Dir(--alpha 0.5)``.
 
 Round: FedAvg of the 2NN (``--model``; ``logistic`` also works), E = 1, B = 10 (2-10 local
 steps a client), client SGD lr 0.05, the n_k-weighted mean, ``--per-round`` clients a round
@@ -29,48 +24,19 @@ import os
 import sys
 import time
 
-import numpy as np
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 import common  # noqa: E402
-
-NUM_CLIENTS = 10_000
-MIN_SIZE, MAX_SIZE = 20, 100
-SIZE_MEDIAN, SIZE_SIGMA = 45.0, 0.5
-ALPHA = 0.5
-LOCAL_EPOCHS, BATCH_SIZE, CLIENT_LR = 1, 10, 0.05
-
-
-def population(labels: np.ndarray, num_clients: int, alpha: float, seed: int,
-               min_size: int = MIN_SIZE, max_size: int = MAX_SIZE
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """``(indices, offsets)`` of a ``ClientData`` over ``labels``'s examples (see the module
-    docstring): client k owns ``indices[offsets[k]:offsets[k + 1]]``, grouped by class.
-    Deterministic given the arguments."""
-    rng = np.random.default_rng(seed)
-    sizes = np.clip(rng.lognormal(np.log(SIZE_MEDIAN), SIZE_SIGMA, num_clients).astype(np.int64),
-                    min_size, max_size)
-    classes = np.unique(labels)
-    mix = rng.dirichlet(np.full(len(classes), alpha), num_clients)
-    counts = rng.multinomial(sizes, mix)  # [N, classes]
-    owners, chosen = [], []
-    for c, label in enumerate(classes):
-        pool = rng.permutation(np.flatnonzero(labels == label))
-        if counts[:, c].max() > len(pool):
-            raise ValueError(f"class {label} has {len(pool)} examples, a client wants more")
-        clients = np.flatnonzero(counts[:, c])
-        runs = counts[clients, c]
-        starts = rng.integers(0, len(pool), len(clients))
-        within = np.arange(runs.sum()) - np.repeat(np.cumsum(runs) - runs, runs)
-        chosen.append(pool[(np.repeat(starts, runs) + within) % len(pool)])
-        owners.append(np.repeat(clients, runs))
-    owner = np.concatenate(owners)
-    order = np.argsort(owner, kind="stable")  # client by client, classes in order
-    indices = np.concatenate(chosen)[order].astype(np.int64)
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-    assert offsets[-1] == len(indices)
-    return indices, offsets
+from cross_device import (  # noqa: E402
+    ALPHA,
+    BATCH_SIZE,
+    CLIENT_LR,
+    LOCAL_EPOCHS,
+    NUM_CLIENTS,
+    add_rates,
+    load_population,
+    workload,
+)
 
 
 def main(argv=None) -> int:
@@ -91,15 +57,11 @@ def main(argv=None) -> int:
     import jax
 
     import fedax
-    from fedax.data import ClientData, load_mnist, num_local_steps
     from fedax.models import get_model
     from fedax.simulation import Execution, choose_execution, run
 
     started = time.perf_counter()
-    arrays = load_mnist()
-    x, y = arrays["x_train"], arrays["y_train"]
-    indices, offsets = population(y, args.clients, args.alpha, args.seed)
-    train = ClientData(x, y, indices, offsets)
+    train, _, _ = load_population(args.clients, args.alpha, args.seed)
     sizes = train.sizes
     built_s = time.perf_counter() - started
 
@@ -123,20 +85,8 @@ def main(argv=None) -> int:
             callbacks=[lambda record: losses.append(record["train_loss"])])
     exec_text = ":".join(str(v) for v in execution)
     config = exec_text if args.strategy != "default" else f"default ({exec_text})"
-    workload = {
-        "dataset": "mnist", "partition": "dirichlet class mix per client, sizes lognormal",
-        "num_clients": args.clients, "clients_per_round": args.per_round,
-        "client_fraction": fraction, "alpha": args.alpha,
-        "size_law": f"clip(int(LogNormal(ln {SIZE_MEDIAN:g}, {SIZE_SIGMA:g})), "
-                    f"{MIN_SIZE}, {MAX_SIZE})",
-        "sizes": {"min": int(sizes.min()), "median": float(np.median(sizes)),
-                  "mean": float(sizes.mean()), "max": int(sizes.max()),
-                  "total": int(sizes.sum())},
-        "local_epochs": LOCAL_EPOCHS, "batch_size": BATCH_SIZE,
-        "max_local_steps": num_local_steps(int(sizes.max()), LOCAL_EPOCHS, BATCH_SIZE),
-        "client_optimizer": f"sgd(lr={CLIENT_LR})", "aggregation": "n_k-weighted mean",
-        "model": args.model, "seed": args.seed,
-    }
+    record_workload = workload(sizes, args.clients, args.per_round, args.alpha, args.model,
+                               args.seed)
     record = common.run_record(
         "fedax", config, args.model, clock, args.warmup, rss, train_losses=losses,
         packages=("jax", "jaxlib", "optax"),
@@ -144,12 +94,9 @@ def main(argv=None) -> int:
                "device": common.jax_device_info(),
                "device_memory": common.jax_device_memory(),
                "population_build_s": built_s})
-    record["workload"] = workload
-    s = record.get("s_per_round")
-    if s:
-        record["client_updates_per_s"] = args.per_round / s["median"]
-        # real examples a round (E = 1): about per_round x mean size
-        record["examples_per_s"] = args.per_round * float(sizes.mean()) / s["median"]
+    record["workload"] = record_workload
+    # real examples a round (E = 1): about per_round x mean size
+    add_rates(record, args.per_round, float(sizes.mean()))
     common.finish(record, args.json)
     return 0
 

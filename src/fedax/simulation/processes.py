@@ -11,7 +11,8 @@ program in the calling process and sends only the client map out:
 * the round calls back (``jax.pure_callback``) with the clients' inputs; the callback
   splits the cohort into one block per worker, of near-equal local steps when the cohort
   divides evenly (the clients dealt by steps, as devices are: ``fedax.federated._lockstep``),
-  else contiguous (the last padded by repeating its last client, whose outputs are dropped), writes each block into shared memory, and the
+  else contiguous (the last padded by repeating its last client, whose outputs are
+  dropped), writes each block into shared memory, and the
   workers, each a JAX runtime pinned to its own core, run the exported program on it. An
   input that ``fed.broadcast`` placed at the clients (the model) is sent once per worker,
   as the server value, not once per client;
