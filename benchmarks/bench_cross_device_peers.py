@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -401,18 +400,14 @@ def run_pfl(args) -> Run | None:
     # pfl reads these when its PyTorch ops are imported, so set them (and start the other
     # ranks) first; bench_pfl.py's launch.
     if args.procs > 1 and rank == 0:
-        from bench_pfl import _free_port
+        from bench_pfl import launch_ranks
 
-        os.environ["PFL_WORKER_ADDRESSES"] = ",".join(
-            f"localhost:{_free_port()}" for _ in range(args.procs))
-        os.environ["PFL_WORKER_RANK"] = "0"
-        for r in range(1, args.procs):
-            argv = [sys.executable, os.path.abspath(__file__), "pfl",
-                    *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-                        "per_round", "clients", "alpha", "rounds", "warmup", "seed",
-                        "budget", "procs")),
-                    f"--threads={threads}", f"--worker-rank={r}"]
-            peers.append(subprocess.Popen(argv, env={**os.environ, "PFL_WORKER_RANK": str(r)}))
+        peers = launch_ranks(args.procs, lambda r: [
+            sys.executable, os.path.abspath(__file__), "pfl",
+            *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
+                "per_round", "clients", "alpha", "rounds", "warmup", "seed", "budget",
+                "procs")),
+            f"--threads={threads}", f"--worker-rank={r}"])
 
     import torch
     import torch.nn.functional as F

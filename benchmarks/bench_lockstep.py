@@ -46,6 +46,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+from bench_fedax import split_host  # noqa: E402
 
 VOCAB, EMBED, HIDDEN, LAYERS = 98, 8, 256, 2
 LR, EPOCHS, BATCH, FRACTION = 1.47, 5, 10, 0.1
@@ -303,11 +304,9 @@ def main(argv=None) -> int:
     cores = common.num_cores()
     from fedax.cli.processes import with_collective_patience
 
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        flags = f"{flags} --xla_force_host_platform_device_count={cores}"
+    split_host(cores)
     # contiguous blocks of skewed clients keep one device at the sum for minutes
-    os.environ["XLA_FLAGS"] = with_collective_patience(flags)
+    os.environ["XLA_FLAGS"] = with_collective_patience(os.environ["XLA_FLAGS"])
     arrays = cohort_arrays(args.max_clients, args.seed)
     record = {"benchmark": "bench_lockstep", "time": common.now_iso(),
               "machine": common.machine_info(), "args": vars(args),

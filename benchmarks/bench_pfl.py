@@ -70,6 +70,17 @@ import common  # noqa: E402
 LOSS_METRIC = "train loss"
 
 
+def launch_ranks(procs: int, argv_of_rank) -> list[subprocess.Popen]:
+    """pfl's multi-process simulation: set this process up as rank 0 of ``procs`` (pfl reads
+    ``PFL_WORKER_ADDRESSES``/``PFL_WORKER_RANK`` when its PyTorch ops are imported, so call
+    this first) and start ranks 1.. as ``argv_of_rank(r)``; returns their processes."""
+    os.environ["PFL_WORKER_ADDRESSES"] = ",".join(
+        f"localhost:{_free_port()}" for _ in range(procs))
+    os.environ["PFL_WORKER_RANK"] = "0"
+    return [subprocess.Popen(argv_of_rank(r), env={**os.environ, "PFL_WORKER_RANK": str(r)})
+            for r in range(1, procs)]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -93,16 +104,11 @@ def main(argv=None) -> int:
     # (and start the other rank) first.
     peers = []
     if args.procs > 1 and rank == 0:
-        os.environ["PFL_WORKER_ADDRESSES"] = ",".join(
-            f"localhost:{_free_port()}" for _ in range(args.procs))
-        os.environ["PFL_WORKER_RANK"] = "0"
-        for r in range(1, args.procs):
-            argv_r = [sys.executable, os.path.abspath(__file__), args.model,
-                      "--procs", str(args.procs), "--threads", str(threads),
-                      "--rounds", str(args.rounds), "--warmup", str(args.warmup),
-                      "--worker-rank", str(r)]
-            peers.append(subprocess.Popen(argv_r, env={**os.environ,
-                                                       "PFL_WORKER_RANK": str(r)}))
+        peers = launch_ranks(args.procs, lambda r: [
+            sys.executable, os.path.abspath(__file__), args.model,
+            "--procs", str(args.procs), "--threads", str(threads),
+            "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+            "--worker-rank", str(r)])
 
     import numpy as np
     import torch

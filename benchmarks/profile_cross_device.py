@@ -33,6 +33,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import cross_device as cd  # noqa: E402
+from bench_fedax import split_host  # noqa: E402
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -60,9 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     cores = common.num_cores()
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={cores}"
+    split_host(cores)
 
     import jax
     import jax.numpy as jnp

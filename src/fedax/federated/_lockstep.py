@@ -112,6 +112,6 @@ def lockstep_map(f: Callable[..., Any], xs: tuple) -> Any:
         lambda a: jnp.take(a, order, axis=0).reshape(groups, width, *a.shape[1:]), xs)
     with _AXIS(LOCKSTEP_AXIS):
         out = jax.lax.map(lambda g: jax.vmap(f, axis_name=LOCKSTEP_AXIS)(*g), grouped)
-    back = inverse(order[:n]) if steps is not None else jnp.arange(n)
+    back = inverse(order[:n])
     return jax.tree.map(
         lambda a: jnp.take(a.reshape(groups * width, *a.shape[2:]), back, axis=0), out)
