@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", type=int, default=cd.NUM_CLIENTS)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--no-balance", action="store_true",
+                        help="contiguous device blocks (fedax.federated.balance_devices(False))")
     args = parser.parse_args(argv)
     cores = common.num_cores()
     split_host(cores)
@@ -67,6 +69,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
+    from fedax import federated as fed
     from fedax.algorithms import CohortBatches
     from fedax.client import Batches
     from fedax.models import get_model
@@ -92,7 +95,8 @@ def main(argv=None) -> int:
         return CohortBatches(Batches(jnp.asarray(x_all[idx]), jnp.asarray(y_all[idx]),
                                      jnp.asarray(mask)), jnp.asarray(n), jnp.asarray(ids))
 
-    with jax.set_mesh(execution.mesh()), use_execution(execution):
+    with jax.set_mesh(execution.mesh()), use_execution(execution), \
+            fed.balance_devices(not args.no_balance):
         fn = jax.jit(lambda s, c: alg.round(s, c, None)[0].server.params,
                      compiler_options=compiler_options())
         full = cohort(idx, mask, n, ids)
@@ -124,7 +128,8 @@ def main(argv=None) -> int:
         "benchmark": "profile_cross_device", "time": common.now_iso(),
         "machine": common.machine_info(), "versions": common.versions("jax", "jaxlib"),
         "per_round": args.per_round, "clients": args.clients, "devices": execution.devices,
-        "execution": execution._asdict(), "real_steps": steps,
+        "execution": execution._asdict(), "balanced": not args.no_balance,
+        "real_steps": steps,
         "padded_shape": list(idx.shape),
         "host_cohort_s": host_s, "round_s": round_s, "round_no_steps_s": no_steps_s,
         "steps_s": steps_s, "ms_per_step": 1000 * steps_s / steps,

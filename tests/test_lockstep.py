@@ -11,7 +11,7 @@ import pytest
 from fedax import federated as fed
 from fedax.algorithms import CohortBatches, fedavg
 from fedax.client import Batches
-from fedax.federated._lockstep import balanced_permutation
+from fedax.federated._lockstep import WORTH_MOVING, balanced_permutation, worth_moving
 
 D, K = 4, 3
 SIZES = [1, 30, 4, 17, 2, 9, 25, 0]  # skewed; the last an empty (padding) client
@@ -107,6 +107,74 @@ def test_mesh_balances_devices_and_keeps_cohort_order(devices):
     loads = np.bincount(device, weights=steps, minlength=devices)
     plain = np.bincount(contiguous, weights=steps, minlength=devices)
     assert loads.max() < plain.max()  # this cohort is unbalanced in contiguous halves
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_worth_moving_compares_the_busiest_blocks(devices, seed):
+    rng = np.random.default_rng(seed)
+    steps = rng.integers(1, 12, size=devices * 9).astype(np.int32)
+    perm = np.asarray(balanced_permutation(jnp.asarray(steps), devices))
+    contiguous = steps.reshape(devices, -1).sum(axis=1).max()
+    balanced = steps[perm].reshape(devices, -1).sum(axis=1).max()
+    got = bool(worth_moving(jnp.asarray(steps), jnp.asarray(perm), devices))
+    assert got == (contiguous > WORTH_MOVING * balanced)
+    # a block 10% heavier is worth moving for; an even split never is
+    even = np.full(devices * 9, 5, np.int32)
+    assert not bool(worth_moving(jnp.asarray(even), balanced_permutation(even, devices),
+                                 devices))
+    uneven = even.copy()
+    uneven[:9] = 6  # the first contiguous block carries 20% more
+    assert bool(worth_moving(jnp.asarray(uneven), balanced_permutation(uneven, devices),
+                             devices))
+
+
+def test_nearly_even_blocks_stay_contiguous():
+    """Moving clients copies their inputs and outputs between devices: when contiguous
+    blocks are already within 5% of the balanced ones, clients stay where they are."""
+    cohort, steps = skewed_cohort()
+    even_sizes = np.full(len(SIZES), 6.0, np.float32)
+    mask = np.zeros_like(cohort.batches.mask)
+    mask[:, :2] = 1.0  # every client 2 full steps
+    even = cohort._replace(batches=cohort.batches._replace(mask=mask),
+                           num_examples=even_sizes)
+    device, ids = _device_of_each_client(even, 2, balanced=True)
+    np.testing.assert_array_equal(ids, even.client_ids)
+    np.testing.assert_array_equal(device, np.repeat(np.arange(2), len(SIZES) // 2))
+
+
+def _gathers(jaxpr):
+    here = sum(eqn.primitive.name == "gather" for eqn in jaxpr.eqns)
+    return here + sum(_gathers(sub) for sub in jax.extend.core.subjaxprs(jaxpr))
+
+
+def test_a_broadcast_argument_is_not_moved_between_devices():
+    """Every row of a broadcast is the same value: balancing moves the rows of the other
+    arguments, never the model placed at K clients (K copies of it)."""
+    cohort, _ = skewed_cohort()
+    n = len(SIZES)
+    mesh = jax.make_mesh((2,), (fed.CLIENTS_AXIS,),
+                         axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:2])
+
+    def trained(p, batches, copy):
+        at_clients = fed.broadcast(p, n)
+        if copy:  # the same values, but not the broadcast's own arrays
+            at_clients = jax.tree.map(lambda a: a + 0.0, at_clients)
+        return fed.map_clients(lambda q, b: jnp.sum(b.x @ q["w"]) + q["b"][0], at_clients,
+                               batches)
+
+    p = params0()
+    with jax.set_mesh(mesh), fed.map_strategy("sequential"):
+        counts = {copy: _gathers(jax.make_jaxpr(lambda p, b, c=copy: trained(p, b, c))(
+            p, cohort.batches).jaxpr) for copy in (False, True)}
+        outs = {copy: jax.jit(lambda p, b, c=copy: trained(p, b, c))(p, cohort.batches)
+                for copy in (False, True)}
+    assert counts[True] - counts[False] == 2, counts  # "w" and "b" moved only as copies
+    np.testing.assert_array_equal(outs[False], outs[True])
+    expected = [np.sum(cohort.batches.x[i] @ np.asarray(p["w"])) + float(p["b"][0])
+                for i in range(n)]
+    np.testing.assert_allclose(outs[False], expected, rtol=1e-5, atol=1e-5)
 
 
 def _round(strategy, width=3, devices=1):

@@ -11,7 +11,11 @@ so keys, reduction order and results are the plain strategy's.
   into d blocks of equal count whose total steps are close, by dealing the clients,
   heaviest first, to the devices in serpentine order (0, 1, ..., d-1, d-1, ..., 0, ...), a
   greedy longest-processing-time rule under the equal-count constraint. Contiguous blocks
-  of a random sample leave one core idle for the difference of two random sums.
+  of a random sample leave one core idle for the difference of two random sums. Moving a
+  client copies its inputs and outputs between devices, so clients move only when the
+  busiest contiguous block has over 5% more steps than the busiest balanced one
+  (``worth_moving``, decided in the program from the round's steps), and a broadcast
+  argument (the model, the same at every client) is never moved.
 * **Lockstep** (map strategy ``"lockstep"``): the clients sorted by steps, in groups of
   ``width`` run as one vectorized program (``vmap``) one group after another; a local step
   is skipped for the whole group when no client of the group has a real batch left
@@ -91,6 +95,22 @@ def balanced_permutation(steps: jax.Array, devices: int) -> jax.Array:
     device = jnp.where(rnd % 2 == 0, j, devices - 1 - j)
     slot = device * (n // devices) + rnd
     return jnp.zeros(n, order.dtype).at[slot].set(order)
+
+
+WORTH_MOVING = 1.05
+
+
+def worth_moving(steps: jax.Array, perm: jax.Array, devices: int) -> jax.Array:
+    """Whether balanced blocks are worth moving clients for (a traced bool): the busiest
+    contiguous block has more than ``WORTH_MOVING`` (5%) more steps than the busiest
+    balanced one. Below that, the copies of the clients' inputs and outputs between devices
+    cost more than the idle time they save (a cross-device round of 1,000 2NN clients of
+    2-10 steps: contiguous blocks within 2% of each other, and moving the clients' features
+    and updates doubled the round; ``benchmarks/profile_cross_device.py``)."""
+    def busiest(s):
+        return jnp.max(jnp.sum(s.reshape(devices, -1), axis=1))
+
+    return busiest(steps) > WORTH_MOVING * busiest(jnp.take(steps, perm))
 
 
 def inverse(perm: jax.Array) -> jax.Array:
