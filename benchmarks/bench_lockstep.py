@@ -3,6 +3,7 @@
     python benchmarks/bench_lockstep.py                     # 129 clients, E = 5, B = 10
     python benchmarks/bench_lockstep.py --torch .venv-bench/bin/python --json out.json
     python benchmarks/bench_lockstep.py --max-clients 40 --rounds 1   # toy
+    python benchmarks/bench_lockstep.py --rounds 1 --no-lockstep      # the full round, CPU
 
 The round of ``fedax reproduce fedavg-shakespeare``'s fastest cell: the natural partition
 of the Folger text (1,294 roles), C = 0.1 (129 clients), E = 5, B = 10, the paper's
@@ -57,7 +58,7 @@ VOCAB, EMBED, HIDDEN, LAYERS = 98, 8, 256, 2
 LR, EPOCHS, BATCH, FRACTION = 1.47, 5, 10, 0.1
 
 
-def cohort_arrays(max_clients: int | None, seed: int):
+def cohort_arrays(max_clients: int | None, seed: int, epochs: int = EPOCHS):
     """Round 0's cohort of the natural partition: ``(x [C,S,B,T], y, mask [C,S,B], n [C],
     ids [C])`` as the runner's source makes it (sample, per-client shuffle streams)."""
     import numpy as np
@@ -68,7 +69,7 @@ def cohort_arrays(max_clients: int | None, seed: int):
     train = ClientData.from_partition(data["x_train"], data["y_train"],
                                       data["train_partition"])
     ids = sample_clients(np.random.default_rng([seed, 0]), train.num_clients, FRACTION)
-    cohort = make_cohort(train, ids, EPOCHS, BATCH, 0, client_streams=(seed, 0))
+    cohort = make_cohort(train, ids, epochs, BATCH, 0, client_streams=(seed, 0))
     x = data["x_train"][cohort.idx]
     y = data["y_train"][cohort.idx]
     return x, y, cohort.mask, cohort.num_examples, cohort.client_ids
@@ -125,8 +126,9 @@ def fedax_part(args, arrays) -> dict:
         return out
 
     configs = [("sequential contiguous", "sequential", False),
-               ("sequential balanced", "sequential", True),
-               (f"lockstep {args.width}", "lockstep", True)]
+               ("sequential balanced", "sequential", True)]
+    if not args.no_lockstep:
+        configs.append((f"lockstep {args.width}", "lockstep", True))
     if args.vmap:
         configs.append(("vmap", "vmap", True))
     compiled = {}
@@ -314,12 +316,15 @@ def main(argv=None) -> int:
     parser.add_argument("--max-clients", type=int, default=None, help="roles kept (toy)")
     parser.add_argument("--width", type=int, default=16, help="lockstep group width")
     parser.add_argument("--vmap", action="store_true", help="also plain vmap (slow)")
+    parser.add_argument("--no-lockstep", action="store_true",
+                        help="leave lockstep out (on a CPU it takes ~9x sequential's time)")
     parser.add_argument("--no-busy", action="store_true", help="no per-device stamps")
     parser.add_argument("--torch", default=None, metavar="PYTHON",
                         help="a python with torch, to time nn.LSTM on the same clients")
     parser.add_argument("--torch-procs", default="1,2", help="PyTorch process counts")
     parser.add_argument("--torch-worker", nargs=4, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=EPOCHS, help="E (toy runs: 1)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.torch_worker:
@@ -332,11 +337,11 @@ def main(argv=None) -> int:
     split_host(cores)
     # contiguous blocks of skewed clients keep one device at the sum for minutes
     os.environ["XLA_FLAGS"] = with_collective_patience(os.environ["XLA_FLAGS"])
-    arrays = cohort_arrays(args.max_clients, args.seed)
+    arrays = cohort_arrays(args.max_clients, args.seed, args.epochs)
     record = {"benchmark": "bench_lockstep", "time": common.now_iso(),
               "machine": common.machine_info(), "args": vars(args),
               "workload": {"dataset": "shakespeare", "partition": "natural",
-                           "client_fraction": FRACTION, "local_epochs": EPOCHS,
+                           "client_fraction": FRACTION, "local_epochs": args.epochs,
                            "batch_size": BATCH, "client_lr": LR, "model": "char_lstm"},
               "versions": common.versions("jax", "jaxlib", "optax")}
     record.update(fedax_part(args, arrays))

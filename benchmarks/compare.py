@@ -173,7 +173,11 @@ def run_one(config: dict, model: str, rounds: int, warmup: int, json_path: Path,
     base = {"implementation": config["implementation"], "config": config["label"],
             "model": model, "wall_s": elapsed, "argv": argv[1:],
             "largest_process_maxrss_mb": usage.ru_maxrss / 1024 if usage else None}
-    if status != 0 or not json_path.exists():
+    # A run stopped at its budget has its record written before its workers were stopped;
+    # the run itself may then exit with an error of its own (Flower's runtime exits 1 when
+    # its Ray workers go away): the record, which says it was cut off, is what counts.
+    cut_off = json_path.exists() and "cut_off" in json.loads(json_path.read_text())
+    if not cut_off and (status != 0 or not json_path.exists()):
         tail = log_path.read_text().strip().splitlines()[-15:]
         why = f"timeout after {timeout:.0f} s" if status == "timeout" else f"exit {status}"
         print(f"  FAILED ({why}); log {log_path}:\n    " + "\n    ".join(tail), flush=True)

@@ -263,3 +263,24 @@ def test_peers_train_the_same_batches_and_a_run_stops_at_its_budget(tmp_path, ch
     record = json.loads(out.read_text())
     assert record["cut_off"]["phase"] == "start-up" and record["cut_off"]["rounds_done"] == 0
     assert record["rounds"] == [] and "s_per_round" not in record
+
+
+@pytest.mark.parametrize("cut_off", [True, False])
+def test_a_cut_off_record_counts_though_the_run_then_failed(tmp_path, cut_off):
+    """Flower's runtime exits 1 once the budget's thread has stopped its workers; the
+    record that thread wrote first says the run was cut off, and the summary must say so,
+    not "exit 1". Without a cut-off record, a failing run is an error."""
+    import compare
+
+    script = tmp_path / "peer.py"
+    record = {"rounds": [], "cut_off": {"rounds_done": 1}} if cut_off else {"rounds": []}
+    script.write_text(
+        "import json, sys\n"
+        f"json.dump({record!r}, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n"
+        "sys.exit(1)\n")
+    config = {"script": str(script), "implementation": "flower", "label": "x", "args": []}
+    got = compare.run_one(config, "2nn", 1, 0, tmp_path / "r.json", tmp_path / "r.log", 60)
+    if cut_off:
+        assert "error" not in got and got["cut_off"] == {"rounds_done": 1}
+    else:
+        assert got["error"] == "exit 1"

@@ -88,6 +88,13 @@ def test_gpu_run_script_smoke(tmp_path, child_env):
     assert ("pytorch" in rows) == has_torch
     if not has_torch:
         assert "torch" in lstm["skipped"]["pytorch"]
+    lockstep = {r["config"]: r for r in lstm["lockstep"]["rows"]}
+    assert set(lockstep) == {"sequential contiguous", "sequential balanced", "lockstep 2"}
+    for r in lockstep.values():
+        assert _positive(r["s_per_round"]["median"]) and _positive(r["client_steps_per_s"])
+        # E = 1 is not chaotic: lockstep's batched products agree to rounding
+        assert r["max_abs_diff_vs_contiguous"] < 1e-4, r
+    assert lstm["lockstep"]["steps"]["total"] > 0
 
     cross = json.loads((out / "cross_device.json").read_text())
     assert [r["workload"]["clients_per_round"] for r in cross["runs"]] == [20, 200]
