@@ -114,12 +114,12 @@ def fedax_part(args, arrays) -> dict:
     stamps: list[tuple[str, int, float]] = []
     original = _primitives._map_local
 
-    def timed_map_local(f, xs, strategy):  # per-device busy time, from the device
+    def timed_map_local(f, xs, strategy, same_rows=None):  # per-device busy, from the device
         i = jax.lax.axis_index(fed.CLIENTS_AXIS)
         first = jax.tree.leaves(xs)[0]
         jax.debug.callback(lambda i, _: stamps.append(("start", int(i), time.perf_counter())),
                            i, first.reshape(-1)[0])
-        out = original(f, xs, strategy)
+        out = original(f, xs, strategy, same_rows)
         last = jax.tree.leaves(out)[0]
         jax.debug.callback(lambda i, _: stamps.append(("end", int(i), time.perf_counter())),
                            i, last.reshape(-1)[0])

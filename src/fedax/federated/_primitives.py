@@ -455,13 +455,49 @@ def current_map_strategy() -> MapStrategy | ClientMapper:
     return _MAP_STRATEGY.value
 
 
-def _map_local(f: Callable[..., Any], xs: tuple, strategy: MapStrategy | ClientMapper) -> Any:
+def _sequential(f: Callable[..., Any], xs: tuple, same_rows: tuple[bool, ...] | None) -> Any:
+    """``lax.map`` over the clients. An argument made by ``broadcast`` (``same_rows``: one
+    flag per leaf of ``xs``) is read once, as its first row, rather than row by row, so
+    XLA never builds the ``[n, ...]`` copy of the model (a slice of a broadcast folds to
+    its operand). Derivatives take the plain form (a ``custom_jvp`` whose rule is the
+    row-by-row map), so in either mode a derivative's per-client values still meet at the
+    federated ``sum`` that transposes the ``broadcast``, as the FAD closure and the
+    privacy and secure-sum audits require."""
+    def plain(*leaves):
+        return jax.lax.map(lambda args: f(*args), jax.tree.unflatten(tree, leaves))
+
+    leaves, tree = jax.tree.flatten(xs)
+    if same_rows is None or len(same_rows) != len(leaves) or not any(same_rows) \
+            or all(same_rows):
+        return plain(*leaves)
+
+    @jax.custom_jvp
+    def fused(*leaves):
+        firsts = [a[0] if same else None for a, same in zip(leaves, same_rows, strict=True)]
+        rows = [a for a, same in zip(leaves, same_rows, strict=True) if not same]
+
+        def one(row):
+            it = iter(row)
+            return f(*jax.tree.unflatten(tree, [a if same else next(it) for a, same in
+                                                zip(firsts, same_rows, strict=True)]))
+
+        return jax.lax.map(one, rows)
+
+    @fused.defjvp
+    def _(primals, tangents):
+        return jax.jvp(plain, primals, tangents)
+
+    return fused(*leaves)
+
+
+def _map_local(f: Callable[..., Any], xs: tuple, strategy: MapStrategy | ClientMapper,
+               same_rows: tuple[bool, ...] | None = None) -> Any:
     if not isinstance(strategy, str):
         return strategy.map_clients(f, xs)
     if strategy == "vmap":
         return jax.vmap(f)(*xs)
     if strategy == "sequential":
-        return jax.lax.map(lambda args: f(*args), xs)
+        return _sequential(f, xs, same_rows)
     if strategy == "lockstep":
         return _lockstep.lockstep_map(f, xs)
     outs = [f(*jax.tree.map(lambda a, i=i: a[i], xs)) for i in range(_num_clients(xs))]
@@ -489,8 +525,9 @@ def map_clients(f: Callable[..., Any], *xs: Any) -> Any:
     n = _num_clients(xs)
     strategy = current_map_strategy()
     mesh = _clients_mesh()
+    same_rows = tuple(_is_broadcast(a) for a in jax.tree.leaves(xs))
     if mesh is None:
-        return _map_local(f, xs, strategy)
+        return _map_local(f, xs, strategy, same_rows)
     _check_divisible(n, mesh)
     if not isinstance(strategy, str):
         raise ValueError(
@@ -500,7 +537,7 @@ def map_clients(f: Callable[..., Any], *xs: Any) -> Any:
         )
     spec = PartitionSpec(CLIENTS_AXIS)
     local = jax.shard_map(
-        lambda *blocks: _map_local(f, blocks, strategy),
+        lambda *blocks: _map_local(f, blocks, strategy, same_rows),
         in_specs=spec,
         out_specs=spec,
         check_vma=False,
