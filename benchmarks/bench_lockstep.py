@@ -19,7 +19,9 @@ repeat, each over the host's cores as XLA devices (one per core):
 - ``lockstep W``: balanced blocks, and on each device clients sorted by steps and run in
   vectorized groups of W that stop at their longest client;
 - ``vmap`` (``--vmap``): every client padded to the cohort's longest (slow; the form
-  lockstep replaces on accelerators).
+  lockstep replaces on accelerators);
+- ``processes`` (``--processes``): the clients in one single-threaded worker process per
+  core, blocks balanced by steps (the CPU default for convolutional models).
 
 For each, seconds per round (median), client steps per second (the cohort's real local
 steps over the round's time) and the largest difference of the new model from the
@@ -129,15 +131,17 @@ def fedax_part(args, arrays) -> dict:
                ("sequential balanced", "sequential", True)]
     if not args.no_lockstep:
         configs.append((f"lockstep {args.width}", "lockstep", True))
+    if args.processes:
+        configs.append(("processes (balanced workers)", "processes", True))
     if args.vmap:
         configs.append(("vmap", "vmap", True))
     compiled = {}
     for name, map_, balanced in configs:
         execution = Execution(map_, "scan", devices)
-        if not args.no_busy and devices > 1:
+        if not args.no_busy and execution.mesh() is not None:
             _primitives._map_local = timed_map_local
         try:
-            with jax.set_mesh(execution.mesh()) if devices > 1 else _null(), \
+            with _on_mesh(execution), \
                     use_execution(execution), fed.balance_devices(balanced), \
                     fed.lockstep_width(args.width):
                 started = time.perf_counter()
@@ -157,7 +161,7 @@ def fedax_part(args, arrays) -> dict:
     nudged = jax.tree.unflatten(tree, [a * (1 + 1e-7 * jax.random.normal(k, a.shape, a.dtype))
                                        for a, k in zip(leaves, noise, strict=True)])
     fn, execution, *_ = compiled["sequential contiguous"]
-    with jax.set_mesh(execution.mesh()) if devices > 1 else _null():
+    with _on_mesh(execution):
         floor_out = jax.block_until_ready(fn(alg.init(nudged, None), cohort))
     rounding_floor = _max_diff(floor_out, reference)
     times: dict[str, list[float]] = {name: [] for name, *_ in configs}
@@ -167,7 +171,7 @@ def fedax_part(args, arrays) -> dict:
         for name, *_ in order:
             fn, execution, balanced, _, _ = compiled[name]
             stamps.clear()
-            with jax.set_mesh(execution.mesh()) if devices > 1 else _null():
+            with _on_mesh(execution):
                 started = time.perf_counter()
                 jax.block_until_ready(fn(state0, cohort))
                 times[name].append(time.perf_counter() - started)
@@ -217,6 +221,13 @@ def _busy(stamps, devices: int) -> list[float]:
     if len(starts) < devices or len(ends) < devices:
         return []
     return [ends[d] - starts[d] for d in range(devices)]
+
+
+def _on_mesh(execution):
+    import jax
+
+    mesh = execution.mesh()
+    return _null() if mesh is None else jax.set_mesh(mesh)
 
 
 class _null:
@@ -316,6 +327,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-clients", type=int, default=None, help="roles kept (toy)")
     parser.add_argument("--width", type=int, default=16, help="lockstep group width")
     parser.add_argument("--vmap", action="store_true", help="also plain vmap (slow)")
+    parser.add_argument("--processes", action="store_true",
+                        help="also the processes strategy (one single-threaded worker a core)")
     parser.add_argument("--no-lockstep", action="store_true",
                         help="leave lockstep out (on a CPU it takes ~9x sequential's time)")
     parser.add_argument("--no-busy", action="store_true", help="no per-device stamps")
