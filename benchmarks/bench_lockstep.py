@@ -44,6 +44,7 @@ taking balanced halves (``--torch-procs``), each client from the same starting w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -227,15 +228,7 @@ def _on_mesh(execution):
     import jax
 
     mesh = execution.mesh()
-    return _null() if mesh is None else jax.set_mesh(mesh)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def torch_worker(path: str, threads: int, part: int, parts: int) -> None:

@@ -143,11 +143,6 @@ def test_nearly_even_blocks_stay_contiguous():
     np.testing.assert_array_equal(device, np.repeat(np.arange(2), len(SIZES) // 2))
 
 
-def _gathers(jaxpr):
-    here = sum(eqn.primitive.name == "gather" for eqn in jaxpr.eqns)
-    return here + sum(_gathers(sub) for sub in jax.extend.core.subjaxprs(jaxpr))
-
-
 def test_a_broadcast_argument_is_not_moved_between_devices():
     """Every row of a broadcast is the same value: balancing moves the rows of the other
     arguments, never the model placed at K clients (K copies of it)."""
@@ -166,8 +161,8 @@ def test_a_broadcast_argument_is_not_moved_between_devices():
 
     p = params0()
     with jax.set_mesh(mesh), fed.map_strategy("sequential"):
-        counts = {copy: _gathers(jax.make_jaxpr(lambda p, b, c=copy: trained(p, b, c))(
-            p, cohort.batches).jaxpr) for copy in (False, True)}
+        counts = {copy: _count(jax.make_jaxpr(lambda p, b, c=copy: trained(p, b, c))(
+            p, cohort.batches).jaxpr, "gather") for copy in (False, True)}
         outs = {copy: jax.jit(lambda p, b, c=copy: trained(p, b, c))(p, cohort.batches)
                 for copy in (False, True)}
     assert counts[True] - counts[False] == 2, counts  # "w" and "b" moved only as copies

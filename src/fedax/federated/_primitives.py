@@ -265,30 +265,33 @@ def _num_clients(tree) -> int:
     return sizes.pop()
 
 
-# The client-placed leaves that ``broadcast`` made, by id (a weak reference each, so an
-# entry lives no longer than its array or tracer): every row of such a leaf is the same
-# value, so ``map_clients`` skips moving its rows between devices (a no-op on values)
-# instead of copying the model K times over (``benchmarks/profile_cross_device.py``).
-_BROADCAST_LEAVES: dict[int, weakref.ref] = {}
+# The client-placed leaves that ``broadcast`` made, by id, each with the server value it
+# was made from (a weak reference to the leaf, so an entry lives no longer than its array or
+# tracer). Every row of such a leaf is that value: ``map_clients`` neither moves its rows
+# between devices nor reads it row by row, and the ``processes`` strategy sends the server
+# value once per worker (``benchmarks/profile_cross_device.py``).
+_BROADCAST_LEAVES: dict[int, tuple[weakref.ref, Any]] = {}
 
 
-def _remember_broadcast(leaf: Any) -> Any:
+def _remember_broadcast(leaf: Any, source: Any) -> Any:
     key = id(leaf)
 
     def forget(ref, key=key):
-        if _BROADCAST_LEAVES.get(key) is ref:
+        if _BROADCAST_LEAVES.get(key, (None,))[0] is ref:
             del _BROADCAST_LEAVES[key]
 
     try:
-        _BROADCAST_LEAVES[key] = weakref.ref(leaf, forget)
-    except TypeError:  # a leaf type without weak references: rows are moved as any other
+        _BROADCAST_LEAVES[key] = (weakref.ref(leaf, forget), source)
+    except TypeError:  # a leaf type without weak references: treated as any other
         pass
     return leaf
 
 
-def _is_broadcast(leaf: Any) -> bool:
-    ref = _BROADCAST_LEAVES.get(id(leaf))
-    return ref is not None and ref() is leaf
+def broadcast_source(leaf: Any) -> Any:
+    """The server value that ``broadcast`` placed at the clients as ``leaf`` (its every
+    row), or None when ``leaf`` was made otherwise."""
+    ref, source = _BROADCAST_LEAVES.get(id(leaf), (None, None))
+    return source if ref is not None and ref() is leaf else None
 
 
 def broadcast(x: Any, n: int) -> Any:
@@ -299,8 +302,9 @@ def broadcast(x: Any, n: int) -> Any:
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"broadcast needs a positive int number of clients, got {n!r}.")
-    out = jax.tree.map(lambda a: broadcast_p.bind(jnp.asarray(a), n=n), x)
-    return jax.tree.map(_remember_broadcast, _constrain_clients(out))
+    sources = jax.tree.map(jnp.asarray, x)
+    out = jax.tree.map(lambda a: broadcast_p.bind(a, n=n), sources)
+    return jax.tree.map(_remember_broadcast, _constrain_clients(out), sources)
 
 
 def sum(x: Any) -> Any:  # noqa: A001 - the federated sum; shadows the builtin in this module
@@ -525,7 +529,7 @@ def map_clients(f: Callable[..., Any], *xs: Any) -> Any:
     n = _num_clients(xs)
     strategy = current_map_strategy()
     mesh = _clients_mesh()
-    same_rows = tuple(_is_broadcast(a) for a in jax.tree.leaves(xs))
+    same_rows = tuple(broadcast_source(a) is not None for a in jax.tree.leaves(xs))
     if mesh is None:
         return _map_local(f, xs, strategy, same_rows)
     _check_divisible(n, mesh)
@@ -551,17 +555,18 @@ def map_clients(f: Callable[..., Any], *xs: Any) -> Any:
     # Moving clients costs copies of their inputs and outputs; it is done only when the
     # contiguous blocks are uneven enough to pay for it (``_lockstep.worth_moving``).
     worth = _lockstep.worth_moving(steps, perm, devices)
-    sharded = PartitionSpec(CLIENTS_AXIS)
 
-    def permuted(a, order):
-        return _place(jnp.take(_place(a, mesh, PartitionSpec()), order, axis=0), mesh, sharded)
+    def move(a, order):
+        a = _place(a, mesh, spec)
+        return jax.lax.cond(
+            worth,
+            lambda a: _place(jnp.take(_place(a, mesh, PartitionSpec()), order, axis=0), mesh,
+                             spec),
+            lambda a: a, a)
 
-    def move(a, order):  # the rows of a broadcast are all the same: nothing to move
-        if _is_broadcast(a):
-            return a
-        a = _place(a, mesh, sharded)
-        return jax.lax.cond(worth, lambda a: permuted(a, order), lambda a: a, a)
-
-    out = local(*jax.tree.map(lambda a: move(a, perm), xs))
+    leaves, tree = jax.tree.flatten(xs)
+    # the rows of a broadcast are all the same: nothing to move
+    moved = [a if same else move(a, perm) for a, same in zip(leaves, same_rows, strict=True)]
+    out = local(*jax.tree.unflatten(tree, moved))
     back = _lockstep.inverse(perm)
     return jax.tree.map(lambda a: move(a, back), out)

@@ -47,30 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedax.federated import _lockstep
-from fedax.federated._primitives import broadcast_p
+from fedax.federated._primitives import broadcast_source
 from fedax.simulation._client_worker import read_message, write_message
 from fedax.simulation.host import cpu_dots, usable_cores
 
 _ALIGN = 64
-
-
-def _broadcast_source(x: Any) -> Any:
-    """The server value that ``fed.broadcast`` placed at the clients as ``x`` in the program
-    being traced, or None (not traced, or made otherwise).
-
-    Reads the tracer's producing equation, which JAX's tracing keeps (``parent``); where a
-    JAX version does not, every input is simply sent per client.
-    """
-    eqn = getattr(x, "parent", None)
-    if getattr(eqn, "primitive", None) is not broadcast_p:
-        return None
-    sources = getattr(eqn, "in_tracers", None)
-    if not sources or len(sources) != 1:
-        return None
-    source = sources[0]
-    if getattr(source, "shape", None) != x.shape[1:] or source.dtype != x.dtype:
-        return None
-    return source
 
 
 def _layout(specs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> tuple[list[list], int]:
@@ -222,7 +203,8 @@ class ClientProcesses:
 
         # Broadcast inputs travel once per worker as their server value; at least one input
         # stays per client (it carries the block's length).
-        sources = [_broadcast_source(a) for a in flat_xs]
+        sources = [None if k else broadcast_source(a)
+                   for a, k in zip(jax.tree.leaves(xs), keys, strict=True)]
         if all(src is not None for src in sources):
             sources[0] = None
         shared = [i for i, src in enumerate(sources) if src is not None]
