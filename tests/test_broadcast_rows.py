@@ -123,3 +123,29 @@ def test_the_model_is_not_copied_to_every_client():
     assert temp[True] >= copy_bytes, temp
     assert temp[False] < copy_bytes / 8, temp
     np.testing.assert_allclose(values[False], values[True], rtol=1e-6)
+
+
+def test_the_benchmark_compares_the_two_forms(tmp_path):
+    """``benchmarks/bench_broadcast_rows.py`` at toy size: both forms of both parts ran, and
+    the row-by-row form (the baseline) really holds the model's copy that read-once does
+    not (a benchmark whose two forms were one program would show equal memory)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import _child_env
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_broadcast_rows.py"
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, str(script), "--per-round", "40", "--clients", "200",
+                           "--repeats", "1", "--json", str(out)], env=_child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["part"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"map", "round"}
+    for r in rows.values():
+        assert r["read once"]["s_median"] > 0 and r["row by row"]["s_median"] > 0
+    model_bytes = 199_210 * 4
+    assert (rows["map"]["row by row"]["temp_bytes"] - rows["map"]["read once"]["temp_bytes"]
+            >= 40 // 4 * model_bytes)  # half a device's block of copies, at least
