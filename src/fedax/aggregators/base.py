@@ -42,6 +42,7 @@ from fedax import federated as fed
 ClientFn = Callable[[Any, jax.Array, Any, jax.Array | None], tuple[Any, jax.Array, Any]]
 ReduceFn = Callable[[Any, jax.Array, Any, jax.Array | None], tuple[Any, dict[str, jax.Array]]]
 ServerFn = Callable[[Any, Any, Any, jax.Array | None], tuple[Any, Any, dict[str, jax.Array]]]
+LinearFn = Callable[[Any, jax.Array, Any, jax.Array | None], tuple[Any, dict[str, jax.Array]]]
 
 
 class Aggregator(NamedTuple):
@@ -55,6 +56,12 @@ class Aggregator(NamedTuple):
       secure: a ``fedax.federated.SecureSum`` when ``reduce`` is a secure sum of the client
         stage's values (``fedax.aggregators.secure``): a networked runtime then runs the
         SecAgg+ protocol for it, and the server never holds one client's value.
+      linear: ``linear(total, weight, state, key) -> (value, metrics)``, or None: ``reduce``
+        again, for a reduction that reads the values only through ``total`` = Σ w_k x_k
+        over the clients with w_k > 0 (``fedax.federated.weighted_terms``, summed) and
+        ``weight`` = Σ w_k. It must equal ``reduce`` on those sums. An engine may then sum
+        the clients' terms as they are made (``fedax.federated.map_and_sum``) instead of
+        stacking every client's value (``mean``, ``total``).
     """
 
     init: Callable[[Any], Any]
@@ -62,6 +69,7 @@ class Aggregator(NamedTuple):
     reduce: ReduceFn | None = None
     server: ServerFn | None = None
     secure: Any = None
+    linear: LinearFn | None = None
 
 
 def no_state(template: Any) -> tuple:
@@ -127,11 +135,19 @@ def client_stage(
 
 def reduce_stage(
     aggregator: Aggregator, values: Any, weights: jax.Array, stats: Any, state: Any,
-    reduce_key: jax.Array | None, server_key: jax.Array | None,
+    reduce_key: jax.Array | None, server_key: jax.Array | None, *, summed: Any = None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """The reduction and server stage of ``aggregator`` after its client stage (``stats``:
-    the summed client-stage stats). Returns ``(value, state, metrics)``."""
-    value, metrics = _reduction(aggregator)(values, weights, state, reduce_key)
+    the summed client-stage stats). Returns ``(value, state, metrics)``. ``summed``: the
+    values were already summed as ``weighted_terms`` (``values`` is then None), and the
+    aggregator's ``linear`` reduces that sum instead of ``reduce``."""
+    if summed is None:
+        value, metrics = _reduction(aggregator)(values, weights, state, reduce_key)
+    elif aggregator.linear is None:
+        raise ValueError("this aggregator's reduction needs every client's value: it has no "
+                         "linear form to reduce a sum of weighted terms with.")
+    else:
+        value, metrics = aggregator.linear(summed, fed.sum(weights), state, reduce_key)
     metrics = dict(metrics)
     if aggregator.server is not None:
         value, state, more = aggregator.server(value, stats, state, server_key)
@@ -230,5 +246,11 @@ def chain(*parts: Aggregator) -> Aggregator:
             metrics = _merge(metrics, more)
         return value, tuple(state), metrics
 
+    linear = None
+    part_linear = parts[r].linear
+    if part_linear is not None and not clients:
+        def linear(total, weight, state, key):
+            return part_linear(total, weight, state[r], _fold(key, r))
+
     return Aggregator(init, client if clients else None, reduce, server if servers else None,
-                      parts[r].secure)
+                      parts[r].secure, linear)

@@ -8,9 +8,6 @@ w_k = n_k); a zero-weight client is left out by selection, and all-zero weights 
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
 from fedax import federated as fed
 from fedax.aggregators.base import Aggregator, no_state
 
@@ -22,7 +19,11 @@ def mean() -> Aggregator:
         del state, key
         return fed.weighted_mean(values, weights), {}
 
-    return Aggregator(no_state, reduce=reduce)
+    def linear(total, weight, state, key):
+        del state, key
+        return fed.divide_by_weight(total, weight), {}
+
+    return Aggregator(no_state, reduce=reduce, linear=linear)
 
 
 def total() -> Aggregator:
@@ -30,13 +31,10 @@ def total() -> Aggregator:
 
     def reduce(values, weights, state, key):
         del state, key
-        selected = weights > 0
+        return fed.sum(fed.weighted_terms(values, weights)), {}
 
-        def scale(leaf):
-            shape = (weights.shape[0],) + (1,) * (leaf.ndim - 1)
-            w = weights.reshape(shape).astype(leaf.dtype)
-            return jnp.where(selected.reshape(shape), leaf, jnp.zeros((), leaf.dtype)) * w
+    def linear(total, weight, state, key):
+        del weight, state, key
+        return total, {}
 
-        return fed.sum(jax.tree.map(scale, values)), {}
-
-    return Aggregator(no_state, reduce=reduce)
+    return Aggregator(no_state, reduce=reduce, linear=linear)

@@ -349,7 +349,7 @@ def server_half(
     stats: dict[str, jax.Array], sums: Any, counted: jax.Array, key: jax.Array | None,
     keep: jax.Array | None = None, *, client_keys: jax.Array | None = None,
     staged: bool = False, staged_stats: Any = None,
-    extra_metrics: dict[str, jax.Array] | None = None,
+    extra_metrics: dict[str, jax.Array] | None = None, summed: Any = None,
 ) -> tuple[RoundState, dict[str, jax.Array]]:
     """The server's half of a round, from the accepted clients' client-placed messages
     (leading axis C; a client left out has weight 0 and zero values) to the new state and
@@ -362,10 +362,25 @@ def server_half(
     update's computation); then its reduction and server stage; the federated sum of the exact
     ``sums``; the algorithm's ``server_update``. ``stats`` become n_k-weighted means with
     weights ``counted`` (0 for a client left out). Metrics: the stats, ``extra_metrics``,
-    the aggregator's and the server update's (a name twice is an error)."""
+    the aggregator's and the server update's (a name twice is an error).
+
+    ``summed``: ``(terms, sums)``, the updates' ``fed.weighted_terms`` and the ``sums``
+    already summed over the accepted clients (``fused_cohort_round``; ``updates`` and
+    ``sums`` are then None): the aggregator, which has no client stage, reduces them with
+    its ``linear`` form. Where the round would fuse (``fuses_sums``), stacked updates are
+    summed the same way, client after client (``fed.map_and_sum``)."""
     num_clients = weights.shape[0]
     default_keys, reduce_key, server_key = round_keys(key, num_clients)
     aggregator = pieces.aggregator
+    if summed is None and fuses_sums(pieces):
+        # the stacked updates summed in the fused loop's order, as a fused round sums
+        # them (so FedBuff in lockstep is the synchronous run bit for bit)
+        _, summed = fed.map_and_sum(
+            lambda v, w, s: ((), (fed.weighted_terms(v, w), s)), updates, weights, sums)
+    terms = None
+    if summed is not None:
+        terms, sums = summed
+        staged = True  # (sums are fused only without a client stage: ``fuses_sums``)
     if not staged:
         keys = None
         if aggregator.client is not None:
@@ -374,8 +389,8 @@ def server_half(
                                                       state.aggregator, keys, keep)
     value, aggregator_state, aggregator_metrics = reduce_stage(
         aggregator, updates, weights, staged_stats, state.aggregator, reduce_key,
-        server_key)
-    if jax.tree.leaves(sums):
+        server_key, summed=terms)
+    if summed is None and jax.tree.leaves(sums):
         sums = fed.sum(sums)
     server, server_metrics = pieces.server_update(state.server, value, sums)
     means = {name: fed.weighted_mean(s, counted) for name, s in stats.items()}
@@ -403,6 +418,8 @@ def cohort_round(
     num_clients = cohort.num_examples.shape[0]
     at_clients = place_payload(pieces, state.server, num_clients, key)
     keys = client_training_keys(key, num_clients)
+    if adversary is None and fuses_sums(pieces):
+        return fused_cohort_round(pieces, state, cohort, key, at_clients, keys, client_states)
     if pieces.client_state is None:
         message = fed.map_clients(
             lambda p, b, n, k: client_half(pieces, p, None, b, n, k),
@@ -434,6 +451,65 @@ def cohort_round(
                                              cohort.num_examples))
     written = jnp.logical_and(cohort.num_examples > 0, accepted.finite)
     return new_state, metrics, message.client_state, written
+
+
+def fuses_sums(pieces: RoundPieces) -> bool:
+    """Whether a simulated round sums the clients' updates as they are made
+    (``fused_cohort_round``): under the ``sequential`` map strategy, for an aggregator with
+    a ``linear`` form and no client stage, and no ``reweigh`` (which reads every client's
+    stats before the weights are known)."""
+    aggregator = pieces.aggregator
+    return (fed.current_map_strategy() == "sequential" and aggregator.linear is not None
+            and aggregator.client is None and pieces.reweigh is None)
+
+
+class _Kept(NamedTuple):
+    """What ``fused_cohort_round`` keeps of each client: all but the update and sums."""
+
+    stats: dict[str, jax.Array]
+    client_state: Any
+    finite: jax.Array
+    weight: jax.Array
+
+
+def fused_cohort_round(
+    pieces: RoundPieces, state: RoundState, cohort: CohortBatches, key: jax.Array,
+    at_clients: Any, keys: jax.Array | None, client_states: Any,
+) -> tuple[RoundState, dict[str, jax.Array], Any, jax.Array]:
+    """``cohort_round`` (no adversary; ``fuses_sums``) with the updates never stacked: each
+    client's finite check (``accept_finite``'s, on that client's message) and its term of
+    the reduction (``fed.weighted_terms`` of its update with its accepted weight, and its
+    ``sums`` where finite) are made beside it, and go up through ``fed.map_and_sum``, so
+    the server holds one running total, not ``[C, P]`` updates. The same function as the
+    stacked round, float order aside; derivatives are the stacked round's."""
+
+    def one(payload, client_state, batches, num_examples, raw_key):
+        message = client_half(pieces, payload, client_state, batches, num_examples, raw_key)
+        finite = client_finite(jax.tree.map(
+            lambda a: jnp.asarray(a)[None],
+            (message.update, message.stats, message.sums, message.client_state)))[0]
+        weight = jnp.where(finite, message.weight, 0)
+        sums = keep_clients(jax.tree.map(lambda a: jnp.asarray(a)[None], message.sums),
+                            finite[None])
+        sums = jax.tree.map(lambda a: a[0], sums)
+        terms = fed.weighted_terms(message.update, weight)
+        return _Kept(message.stats, message.client_state, finite, weight), (terms, sums)
+
+    if pieces.client_state is None:
+        kept, summed = fed.map_and_sum(lambda p, b, n, k: one(p, None, b, n, k), at_clients,
+                                       cohort.batches, cohort.num_examples, keys)
+    else:
+        kept, summed = fed.map_and_sum(one, at_clients, client_states, cohort.batches,
+                                       cohort.num_examples, keys)
+    bad = jnp.logical_and(~kept.finite, cohort.num_examples > 0).astype(jnp.int32)
+    counted = jnp.where(kept.finite, cohort.num_examples, 0.0)
+    new_state, metrics = server_half(
+        pieces, state, None, kept.weight, kept.stats, None, counted, key, kept.finite,
+        extra_metrics={"rejected_clients": fed.sum(bad)}, summed=summed)
+    metrics = _merge(metrics, spread_metrics(kept.stats, pieces.spread,
+                                             cohort.num_examples))
+    written = jnp.logical_and(cohort.num_examples > 0, kept.finite)
+    return new_state, metrics, kept.client_state, written
 
 
 def _scatter_rows(table: Any, rows: jax.Array, values: Any) -> Any:

@@ -45,11 +45,23 @@ def _jaxprs_in(value: Any) -> Iterator[jcore.Jaxpr]:
             yield inner
 
 
+def _devices(eqn: jcore.JaxprEqn) -> int:
+    """How many devices run a ``shard_map``'s body: the product of its manual axes' sizes
+    (each runs it on its own block, e.g. ``map_and_sum``'s per-device uploads)."""
+    shape = eqn.params["mesh"].shape
+    axes = eqn.params.get("newly_manual_axes") or eqn.params.get("manual_axes") or shape
+    count = 1
+    for axis in axes:
+        count *= int(shape[axis])
+    return count
+
+
 def sub_jaxprs(eqn: jcore.JaxprEqn) -> Iterator[SubJaxpr]:
     """Every sub-program of ``eqn`` (all jaxprs among its parameters, in parameter order),
-    each with its multiplicity: a ``scan`` body runs ``length`` times, a ``while`` loop's
-    body and condition an unknown number of times (``trips`` None), a ``cond`` branch is
-    one of alternatives (``branch``); any other sub-program runs once."""
+    each with its multiplicity: a ``scan`` body runs ``length`` times, a ``shard_map`` body
+    once per device of its manual axes, a ``while`` loop's body and condition an unknown
+    number of times (``trips`` None), a ``cond`` branch is one of alternatives
+    (``branch``); any other sub-program runs once."""
     name = eqn.primitive.name
     for key, value in eqn.params.items():
         for jaxpr in _jaxprs_in(value):
@@ -57,6 +69,8 @@ def sub_jaxprs(eqn: jcore.JaxprEqn) -> Iterator[SubJaxpr]:
                 yield SubJaxpr(jaxpr, 1, branch=True)
             elif name == "scan" and key == "jaxpr":
                 yield SubJaxpr(jaxpr, int(eqn.params["length"]))
+            elif name == "shard_map" and key == "jaxpr":
+                yield SubJaxpr(jaxpr, _devices(eqn))
             elif name == "while" and key in ("body_jaxpr", "cond_jaxpr"):
                 yield SubJaxpr(jaxpr, None)
             else:

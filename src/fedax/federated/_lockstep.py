@@ -14,8 +14,12 @@ so keys, reduction order and results are the plain strategy's.
   of a random sample leave one core idle for the difference of two random sums. Moving a
   client copies its inputs and outputs between devices, so clients move only when the
   busiest contiguous block has over 5% more steps than the busiest balanced one
-  (``worth_moving``, decided in the program from the round's steps), and a broadcast
-  argument (the model, the same at every client) is never moved.
+  (``worth_moving``), and a broadcast argument (the model, the same at every client) is
+  never moved. The runner decides this on the host from the round's masks
+  (``worth_moving_host``, ``decided_moves``) and compiles a program that moves or one that
+  does not; a round traced without that decision decides in the program, by a
+  ``lax.cond`` per moved argument, which costs copies of what it might move (measured: a
+  third of a cross-device round of 1,000 clients; ``benchmarks/bench_fused_sum.py``).
 * **Lockstep** (map strategy ``"lockstep"``): the clients sorted by steps, in groups of
   ``width`` run as one vectorized program (``vmap``) one group after another; a local step
   is skipped for the whole group when no client of the group has a real batch left
@@ -34,6 +38,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 LOCKSTEP_AXIS = "lockstep_clients"
 DEFAULT_WIDTH = 16
@@ -42,6 +47,7 @@ DEFAULT_WIDTH = 16
 _AXIS = jax.make_user_context(default_value=None)
 _BALANCE = jax.make_user_context(default_value=True)
 _WIDTH = jax.make_user_context(default_value=DEFAULT_WIDTH)
+_MOVES = jax.make_user_context(default_value=None)
 
 
 def lockstep_axis() -> str | None:
@@ -69,6 +75,20 @@ def balance_devices(on: bool) -> Iterator[None]:
 
 def balancing() -> bool:
     return _BALANCE.value
+
+
+@contextlib.contextmanager
+def decided_moves(move: bool | None) -> Iterator[None]:
+    """While tracing here, balancing devices moves clients (True) or does not (False)
+    without deciding in the program; None (the default) decides in it. The runner passes
+    ``worth_moving_host`` of each round's steps, so a run compiles at most two programs,
+    each free of the other's copies. Moving changes no number (module docstring)."""
+    with _MOVES(None if move is None else bool(move)):
+        yield
+
+
+def moves_decided() -> bool | None:
+    return _MOVES.value
 
 
 def client_steps(xs: Any) -> jax.Array | None:
@@ -111,6 +131,29 @@ def worth_moving(steps: jax.Array, perm: jax.Array, devices: int) -> jax.Array:
         return jnp.max(jnp.sum(s.reshape(devices, -1), axis=1))
 
     return busiest(steps) > WORTH_MOVING * busiest(jnp.take(steps, perm))
+
+
+def host_steps(mask: np.ndarray) -> np.ndarray:
+    """``[C]`` real steps of each client from host batches' ``mask [C, S, B, ...]`` (what
+    ``fedax.client.Batches.client_steps`` computes in the program)."""
+    mask = np.asarray(mask)
+    return np.sum(np.any(mask.reshape(*mask.shape[:2], -1) > 0, axis=-1), axis=-1)
+
+
+def worth_moving_host(steps: np.ndarray, devices: int) -> bool:
+    """``worth_moving`` of ``balanced_permutation`` on the host (NumPy), for the runner's
+    ``decided_moves``: the same serpentine deal, the same 5% rule."""
+    steps = np.asarray(steps, np.int64)
+    n = steps.shape[0]
+    if devices < 2 or n % devices:
+        return False
+    dealt = np.arange(n)
+    rnd, j = dealt // devices, dealt % devices
+    device = np.where(rnd % 2 == 0, j, devices - 1 - j)
+    ordered = steps[np.argsort(-steps, kind="stable")]
+    balanced = np.bincount(device, weights=ordered, minlength=devices).max()
+    contiguous = steps.reshape(devices, -1).sum(axis=1).max()
+    return bool(contiguous > WORTH_MOVING * balanced)
 
 
 def inverse(perm: jax.Array) -> jax.Array:

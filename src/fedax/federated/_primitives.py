@@ -129,6 +129,8 @@ def _sum_as_product(x):
     x = jnp.asarray(x)
     if x.ndim < 2 or not jnp.issubdtype(x.dtype, jnp.floating):
         return _sum_impl(x)
+    if x.shape[0] == 1:  # one client's share (``map_and_sum``): nothing to add
+        return x[0]
     ones = jnp.ones((x.shape[0],), x.dtype)
     acc = jnp.promote_types(x.dtype, jnp.float32)
     out = jax.lax.dot_general(ones, x, (((0,), (0,)), ((), ())), preferred_element_type=acc)
@@ -390,6 +392,14 @@ def weighted_mean(x: Any, weights: jax.Array) -> Any:
             f"weighted_mean weights must be >= 0, got {np.asarray(weights).tolist()}; a "
             "client that should not count takes weight 0."
         )
+    return divide_by_weight(sum(weighted_terms(x, weights)), sum(weights))
+
+
+def weighted_terms(x: Any, weights: jax.Array) -> Any:
+    """The terms of ``weighted_mean``'s numerator: ``w_i x_i`` where ``w_i > 0``, zeros
+    (by selection, so a NaN there is gone) elsewhere; integer values become floats. ``x``
+    client-placed with ``weights [n]``, or one client's value with its scalar weight."""
+    weights = jnp.asarray(weights)
     selected = weights > 0
 
     def scale(leaf):
@@ -397,14 +407,19 @@ def weighted_mean(x: Any, weights: jax.Array) -> Any:
         dtype = jnp.promote_types(jnp.result_type(leaf, weights), jnp.float32)
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             leaf = leaf.astype(dtype)  # integer values with fractional weights
-        shape = (n,) + (1,) * (leaf.ndim - 1)
+        shape = weights.shape + (1,) * (leaf.ndim - weights.ndim)
         w = weights.reshape(shape).astype(leaf.dtype)
         return jnp.where(selected.reshape(shape), leaf, jnp.zeros((), leaf.dtype)) * w
 
-    total = sum(weights)
+    return jax.tree.map(scale, x)
+
+
+def divide_by_weight(total: Any, weight: jax.Array) -> Any:
+    """``weighted_mean`` from its numerator ``total`` and the summed weights: ``total /
+    weight``, or zeros (``total`` itself, which is then zero) when ``weight <= 0``."""
     # sum w_i = 0 makes every numerator term zero: divide by 1 instead of 0.
-    divisor = jnp.where(total > 0, total, jnp.ones_like(total))
-    return jax.tree.map(lambda s: s / divisor.astype(s.dtype), sum(jax.tree.map(scale, x)))
+    divisor = jnp.where(weight > 0, weight, jnp.ones_like(weight))
+    return jax.tree.map(lambda s: s / divisor.astype(s.dtype), total)
 
 
 # --------------------------------------------------------------------------------------
@@ -533,40 +548,167 @@ def map_clients(f: Callable[..., Any], *xs: Any) -> Any:
     if mesh is None:
         return _map_local(f, xs, strategy, same_rows)
     _check_divisible(n, mesh)
+    _refuse_outside_mesh(strategy)
+    return _on_mesh(lambda *blocks: _map_local(f, blocks, strategy, same_rows), xs,
+                    same_rows, mesh, summed=False)
+
+
+def _refuse_outside_mesh(strategy: MapStrategy | ClientMapper) -> None:
     if not isinstance(strategy, str):
         raise ValueError(
             f"map strategy {strategy!r} runs clients outside the JAX program and cannot be "
             f"combined with a '{CLIENTS_AXIS}' device mesh; use one device, or a built-in "
             f"strategy {_MAP_STRATEGIES} on the mesh."
         )
+
+
+def _on_mesh(local: Callable[..., Any], xs: tuple, same_rows: tuple[bool, ...], mesh,
+             *, summed: bool) -> Any:
+    """``local`` on each device's block of clients (``shard_map``), the blocks balanced by
+    steps when that pays (``map_clients``). With ``summed``, ``local`` returns ``(kept,
+    total)``, ``total`` already summed over all devices (server-placed): only ``kept``
+    returns to cohort order."""
     spec = PartitionSpec(CLIENTS_AXIS)
-    local = jax.shard_map(
-        lambda *blocks: _map_local(f, blocks, strategy, same_rows),
-        in_specs=spec,
-        out_specs=spec,
-        check_vma=False,
-    )
+    sharded = jax.shard_map(local, in_specs=spec,
+                            out_specs=(spec, PartitionSpec()) if summed else spec,
+                            check_vma=False)
     steps = _lockstep.client_steps(xs) if _lockstep.balancing() else None
     devices = mesh.shape[CLIENTS_AXIS]
-    if steps is None or devices == 1:
-        return local(*_constrain_clients(xs))
+    decided = _lockstep.moves_decided()
+    if steps is None or devices == 1 or decided is False:
+        return sharded(*_constrain_clients(xs))
     steps = _place(steps, mesh, PartitionSpec())
     perm = _lockstep.balanced_permutation(steps, devices)
-    # Moving clients costs copies of their inputs and outputs; it is done only when the
-    # contiguous blocks are uneven enough to pay for it (``_lockstep.worth_moving``).
-    worth = _lockstep.worth_moving(steps, perm, devices)
 
-    def move(a, order):
-        a = _place(a, mesh, spec)
-        return jax.lax.cond(
-            worth,
-            lambda a: _place(jnp.take(_place(a, mesh, PartitionSpec()), order, axis=0), mesh,
-                             spec),
-            lambda a: a, a)
+    def take(a, order):
+        return _place(jnp.take(_place(a, mesh, PartitionSpec()), order, axis=0), mesh, spec)
+
+    if decided:
+        def move(a, order):
+            return take(_place(a, mesh, spec), order)
+    else:
+        # Moving clients costs copies of their inputs and outputs; it is done only when
+        # the contiguous blocks are uneven enough to pay for it (``worth_moving``).
+        worth = _lockstep.worth_moving(steps, perm, devices)
+
+        def move(a, order):
+            return jax.lax.cond(worth, take, lambda a, order: a, _place(a, mesh, spec),
+                                order)
 
     leaves, tree = jax.tree.flatten(xs)
     # the rows of a broadcast are all the same: nothing to move
     moved = [a if same else move(a, perm) for a, same in zip(leaves, same_rows, strict=True)]
-    out = local(*jax.tree.unflatten(tree, moved))
+    out = sharded(*jax.tree.unflatten(tree, moved))
     back = _lockstep.inverse(perm)
+    if summed:
+        kept, total = out
+        return jax.tree.map(lambda a: move(a, back), kept), total
     return jax.tree.map(lambda a: move(a, back), out)
+
+
+# --------------------------------------------------------------------------------------
+# map_and_sum: a map whose per-client addends go straight into a federated sum.
+# --------------------------------------------------------------------------------------
+
+
+# A jit-cache-sensitive context, as the map strategy: whether ``map_and_sum`` fuses.
+_FUSE_SUMS = jax.make_user_context(default_value=True)
+
+
+@contextlib.contextmanager
+def fuse_sums(on: bool) -> Iterator[None]:
+    """Whether ``map_and_sum`` under ``sequential`` sums each client's addend as it is made
+    (default True); False stacks the addends and sums them after the map, the definition
+    as written (to measure what fusing gains: ``benchmarks/bench_fused_sum.py``)."""
+    with _FUSE_SUMS(bool(on)):
+        yield
+
+
+def map_and_sum(f: Callable[..., Any], *xs: Any) -> tuple[Any, Any]:
+    """``map_clients`` of ``f``, whose result is a pair ``(kept, addend)`` per client, with
+    the addends summed at the server: returns ``(kept, sum(addend))``, by definition
+
+        out = map_clients(f, *xs);  (out[0], sum(out[1]))
+
+    (``kept`` client-placed ``[n, ...]``, the sum server-placed). Under the ``sequential``
+    strategy the addends are never stacked: each client's addend goes up as it is made
+    (``sum`` of that one client), and the server adds it to its running total in the
+    loop's carry, so a round needs one model-sized total instead of ``[n, P]`` updates
+    (``benchmarks/bench_fused_sum.py``). Over a ``clients`` mesh each device keeps the
+    total of its own block, and the d totals are added once. Other strategies compute the
+    definition as written. The sum runs in another order than the stacked one, so the two
+    agree to float rounding (README, "The numerical guarantee").
+
+    Derivatives, in either mode, are those of the definition (a ``custom_jvp`` whose rule
+    is the stacked program), so a derivative's per-client values still meet at the
+    federated ``sum`` and ``broadcast`` that the FAD closure and the privacy and secure
+    audits read; only primal rounds run the fused loop.
+    """
+    if not xs:
+        raise ValueError("map_and_sum needs at least one client-placed argument.")
+    n = _num_clients(xs)
+    strategy = current_map_strategy()
+    mesh = _clients_mesh()
+    leaves, tree = jax.tree.flatten(xs)
+
+    def stacked(*leaves):
+        kept, addends = _pair(map_clients(f, *jax.tree.unflatten(tree, leaves)))
+        return kept, sum(addends)
+
+    if strategy != "sequential" or not _FUSE_SUMS.value:
+        return stacked(*leaves)
+    same_rows = tuple(broadcast_source(a) is not None for a in leaves)
+    if mesh is not None:
+        _check_divisible(n, mesh)
+
+    @jax.custom_jvp
+    def fused(*leaves):
+        xs = jax.tree.unflatten(tree, leaves)
+        if mesh is None:
+            return _fused_local(f, xs, same_rows, across=None)
+        return _on_mesh(lambda *blocks: _fused_local(f, blocks, same_rows,
+                                                     across=CLIENTS_AXIS),
+                        xs, same_rows, mesh, summed=True)
+
+    @fused.defjvp
+    def _(primals, tangents):
+        return jax.jvp(stacked, primals, tangents)
+
+    return fused(*leaves)
+
+
+def _pair(out: Any) -> tuple[Any, Any]:
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError("map_and_sum's function must return a pair (kept, addend), got "
+                        f"{type(out).__name__}.")
+    return out
+
+
+def _fused_local(f: Callable[..., Any], xs: tuple, same_rows: tuple[bool, ...],
+                 across: str | None) -> tuple[Any, Any]:
+    """One block of clients, one after another (``lax.scan``): each client's ``kept`` is
+    stacked, its addend goes up with ``sum`` (one client's share) and joins the running
+    total. Broadcast arguments are read once, as in ``_sequential``. ``across``: the mesh
+    axis whose devices' totals are then added (``psum``)."""
+    leaves, tree = jax.tree.flatten(xs)
+    n = _num_clients(xs)
+    firsts = [a[0] if same else None for a, same in zip(leaves, same_rows, strict=True)]
+    rows = [a for a, same in zip(leaves, same_rows, strict=True) if not same]
+
+    def one(row):
+        it = iter(row)
+        args = [a if same else next(it) for a, same in zip(firsts, same_rows, strict=True)]
+        kept, addend = _pair(f(*jax.tree.unflatten(tree, args)))
+        return kept, sum(jax.tree.map(lambda a: jnp.asarray(a)[None], addend))
+
+    _, uploaded = jax.eval_shape(one, [a[0] for a in rows])
+
+    def step(total, row):
+        kept, up = one(row)
+        return jax.tree.map(jnp.add, total, up), kept
+
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), uploaded)
+    total, kept = jax.lax.scan(step, zeros, rows, length=n)
+    if across is not None:
+        total = jax.lax.psum(total, across)
+    return kept, total

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from fedax import federated as fed
 from fedax.algorithms import FederatedAlgorithm, cohort_round, init_state
 from fedax.data import ClientData
+from fedax.federated import _lockstep
 from fedax.simulation import checkpoint as ckpt
 from fedax.simulation import distributed
 from fedax.simulation.client_state import ClientStateStore
@@ -405,14 +406,21 @@ def run(
                 if pending is not None:
                     settle(pending)
                     pending = None
-                if client_state is None:
-                    state, metrics = round_fn(state, placed, sharded, data.plain, key)
-                    pending = (t + 1, metrics, data, None)
-                else:
-                    states = _padded_rows(client_state.gather(data.ids), data.size)
-                    state, metrics, new_states, written = round_fn(
-                        state, placed, sharded, data.plain, jax.device_put(states, home), key)
-                    pending = (t + 1, metrics, data, (new_states, written))
+                # Whether balanced devices move clients this round, decided here from its
+                # steps: a program that moves or one that does not (_lockstep.decided_moves)
+                moves = None
+                if data.steps is not None and pad_to > 1:
+                    moves = _lockstep.worth_moving_host(data.steps, pad_to)
+                with _lockstep.decided_moves(moves):
+                    if client_state is None:
+                        state, metrics = round_fn(state, placed, sharded, data.plain, key)
+                        pending = (t + 1, metrics, data, None)
+                    else:
+                        states = _padded_rows(client_state.gather(data.ids), data.size)
+                        state, metrics, new_states, written = round_fn(
+                            state, placed, sharded, data.plain, jax.device_put(states, home),
+                            key)
+                        pending = (t + 1, metrics, data, (new_states, written))
                 evaluating = (t + 1) % eval_every == 0 or t + 1 == rounds
                 due = (t + 1) % checkpoint_every == 0 if checkpoint_every else False
                 if not (evaluating or due):

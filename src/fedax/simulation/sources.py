@@ -37,6 +37,7 @@ from fedax.data import (
     sample_clients,
     sample_cohort,
 )
+from fedax.federated._lockstep import host_steps
 from fedax.hyper import HyperCohort
 from fedax.simulation import checkpoint as ckpt
 from fedax.simulation.device_data import cohort_features, put_features, take
@@ -51,6 +52,7 @@ class RoundData(NamedTuple):
     ids: np.ndarray | None
     real: int
     size: int
+    steps: np.ndarray | None = None  # [size] real steps per client, when the host knows
 
 
 class CohortSource(Protocol):
@@ -197,7 +199,8 @@ class PartitionSource:
             cohort = Cohort(*(a[:self.capacity] for a in cohort))
         cohort = pad_cohort(cohort, pad_to)
         return RoundData((cohort.idx, cohort.mask), (cohort.num_examples, cohort.client_ids),
-                         np.asarray(ids[:real]), real, len(cohort.client_ids))
+                         np.asarray(ids[:real]), real, len(cohort.client_ids),
+                         host_steps(cohort.mask))
 
     def cohort(self, placed, sharded, plain, block_spec) -> CohortBatches:
         x_all, y_all = placed
@@ -253,7 +256,8 @@ class PopulationSource:
         cohort = pad_cohort(cohort._replace(client_ids=ids.astype(np.int32)), pad_to)
         plain = (data.x, data.y, cohort.idx, cohort.mask, cohort.num_examples,
                  cohort.client_ids)
-        return RoundData((), plain, ids, self.cohort_size, len(cohort.client_ids))
+        return RoundData((), plain, ids, self.cohort_size, len(cohort.client_ids),
+                         host_steps(cohort.mask))
 
     def cohort(self, placed, sharded, plain, block_spec) -> CohortBatches:
         x, y, idx, mask, num_examples, client_ids = plain
@@ -286,7 +290,10 @@ class HostCohorts:
             raise ValueError(f"a cohort of {size} clients does not split over {pad_to} "
                              "devices; make cohorts of a multiple of the device count.")
         real = np.asarray(train.num_examples) > 0
-        return RoundData((), cohort, np.asarray(train.client_ids)[real], int(real.sum()), size)
+        mask = getattr(getattr(train, "batches", None), "mask", None)
+        steps = None if mask is None else host_steps(np.asarray(mask))
+        return RoundData((), cohort, np.asarray(train.client_ids)[real], int(real.sum()), size,
+                         steps)
 
     def cohort(self, placed, sharded, plain, block_spec):
         return plain
