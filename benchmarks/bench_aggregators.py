@@ -30,12 +30,10 @@ processes are left out where undisturbed ones remain (``common.summarize``).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -189,7 +187,7 @@ def main(argv=None) -> int:
     if args.out:
         import jax
 
-        path = Path(args.out) / f"aggregators_2nn_{dt.date.today().isoformat()}.json"
+        path = common.dated_result(args.out, "aggregators_2nn")
         common.write_json(path, {
             "benchmark": "aggregators",
             "workload": {"model": "2nn", "data": data_source, "clients": args.clients,

@@ -26,12 +26,10 @@ every other repetition); per variant the median seconds and its ratio to ``plain
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -197,7 +195,7 @@ def main(argv=None) -> int:
     print(f"machine: {machine.get('cpu', '?')}, {machine['cores']} cores, "
           f"load {os.getloadavg()[0]:.2f}")
     if args.out:
-        path = Path(args.out) / f"compression_2nn_{dt.date.today().isoformat()}.json"
+        path = common.dated_result(args.out, "compression_2nn")
         common.write_json(path, {
             "benchmark": "compression",
             "workload": {"model": "2nn", "data": data_source, "clients": args.clients,

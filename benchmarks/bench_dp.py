@@ -43,12 +43,10 @@ shape, with a note (the time of a round does not depend on the values).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -266,7 +264,7 @@ def main(argv=None) -> int:
           f"load {os.getloadavg()[0]:.2f}")
 
     if args.out:
-        path = Path(args.out) / f"dp_2nn_{dt.date.today().isoformat()}.json"
+        path = common.dated_result(args.out, "dp_2nn")
         common.write_json(path, {
             "benchmark": "dp",
             "workload": {"model": "2nn", "data": data_source, "clients": CLIENTS,

@@ -345,8 +345,11 @@ def main() -> None:
                   f"per client = {row['flower_over_fedax_server_cpu']:.2f} x fedax's")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        path = Path(args.out) / (f"runtime-flower-{args.clients.replace(',', '-')}-"
-                                 f"{dt.date.today().isoformat()}.json")
+        stem = f"runtime-flower-{args.clients.replace(',', '-')}-{dt.date.today().isoformat()}"
+        path, n = Path(args.out) / f"{stem}.json", 1
+        while path.exists():  # never replace an earlier result
+            n += 1
+            path = Path(args.out) / f"{stem}-{n}.json"
         import flwr
 
         path.write_text(json.dumps({"rows": rows, "argv": sys.argv[1:], "cpus": os.cpu_count(),

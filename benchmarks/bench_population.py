@@ -29,7 +29,6 @@ the device per round, and the store's size (nominal, and what the OS has materia
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import statistics
@@ -337,7 +336,7 @@ def main(argv=None) -> int:
     print()
     print(table(records))
     if args.out:
-        path = Path(args.out) / f"population_{dt.date.today().isoformat()}.json"
+        path = common.dated_result(args.out, "population")
         common.write_json(
             path,
             {

@@ -503,6 +503,18 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def dated_result(directory: str | os.PathLike[str], stem: str) -> Path:
+    """``<directory>/<stem>_<today>.json``, or ``..._<today>-2.json``, ``-3``... when that is
+    taken: a benchmark's new result never replaces an earlier one of the same day."""
+    today = _dt.date.today().isoformat()
+    path = Path(directory) / f"{stem}_{today}.json"
+    n = 1
+    while path.exists():
+        n += 1
+        path = Path(directory) / f"{stem}_{today}-{n}.json"
+    return path
+
+
 def write_json(path: str | os.PathLike[str], obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

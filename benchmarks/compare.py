@@ -18,7 +18,6 @@ rest of the file, the analyses of earlier runs, is kept).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib.util
 import json
 import os
@@ -420,7 +419,7 @@ def main(argv=None) -> int:
         "results": rows,
     }
     out_dir = Path(args.out)
-    out = out_dir / f"{model}_{dt.date.today().isoformat()}.json"
+    out = common.dated_result(out_dir, model)
     common.write_json(out, result)
     update_summary(out_dir)
     print()

@@ -30,7 +30,6 @@ round, client updates per second, peak memory and the ratio to fedax's default, 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import importlib.util
 import os
 import sys
@@ -322,7 +321,7 @@ def main(argv=None) -> int:
         "results": results,
     }
     out_dir = Path(args.out)
-    out = out_dir / f"cross_device_{dt.date.today().isoformat()}.json"
+    out = common.dated_result(out_dir, "cross_device")
     common.write_json(out, data)
     update_summary(out_dir / "summary.md", section(data, out.name))
     for k in sizes:

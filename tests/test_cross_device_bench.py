@@ -284,3 +284,18 @@ def test_a_cut_off_record_counts_though_the_run_then_failed(tmp_path, cut_off):
         assert "error" not in got and got["cut_off"] == {"rounds_done": 1}
     else:
         assert got["error"] == "exit 1"
+
+
+def test_a_result_of_the_same_day_is_never_replaced(tmp_path):
+    """A benchmark run twice in a day writes a second file beside the first."""
+    import common
+
+    first = common.dated_result(tmp_path, "cross_device")
+    first.write_text("{}\n")
+    second = common.dated_result(tmp_path, "cross_device")
+    second.write_text("{}\n")
+    third = common.dated_result(tmp_path, "cross_device")
+    assert len({first, second, third}) == 3
+    assert second.name == first.name.replace(".json", "-2.json")
+    assert third.name == first.name.replace(".json", "-3.json")
+    assert first.read_text() == "{}\n"
