@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 _SUBPACKAGES = ("aggregators", "algorithms", "client", "data", "federated", "hyper", "models",
                 "privacy", "simulation")

@@ -474,6 +474,22 @@ def current_map_strategy() -> MapStrategy | ClientMapper:
     return _MAP_STRATEGY.value
 
 
+def _closes_over_tracers(f: Callable[..., Any], xs: tuple) -> bool:
+    """Whether ``f`` (traced on one client's arguments) closes over values a derivative
+    may perturb: tracers of an outer ``jit``, ``jvp`` or ``grad`` (a client learning rate
+    being learned), which ``jax.closure_convert`` would hoist. A ``custom_jvp`` cannot be
+    differentiated in what it closes over, so the read-once and fused forms, which are
+    ``custom_jvp``s, are used only when this is False; a trace that fails here counts as
+    True (the plain form then runs, and fails or not as it would have)."""
+    row = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a)[1:], jnp.result_type(a)),
+                       xs)
+    try:
+        _, consts = jax.closure_convert(lambda *args: f(*args), *row)
+    except Exception:  # noqa: BLE001 - any failure: take the plain form
+        return True
+    return bool(consts)
+
+
 def _sequential(f: Callable[..., Any], xs: tuple, same_rows: tuple[bool, ...] | None) -> Any:
     """``lax.map`` over the clients. An argument made by ``broadcast`` (``same_rows``: one
     flag per leaf of ``xs``) is read once, as its first row, rather than row by row, so
@@ -481,13 +497,16 @@ def _sequential(f: Callable[..., Any], xs: tuple, same_rows: tuple[bool, ...] | 
     its operand). Derivatives take the plain form (a ``custom_jvp`` whose rule is the
     row-by-row map), so in either mode a derivative's per-client values still meet at the
     federated ``sum`` that transposes the ``broadcast``, as the FAD closure and the
-    privacy and secure-sum audits require."""
+    privacy and secure-sum audits require. When ``f`` closes over tracers (which a
+    ``custom_jvp`` cannot be differentiated in) the plain form runs
+    (``_closes_over_tracers``)."""
+    leaves, tree = jax.tree.flatten(xs)
+
     def plain(*leaves):
         return jax.lax.map(lambda args: f(*args), jax.tree.unflatten(tree, leaves))
 
-    leaves, tree = jax.tree.flatten(xs)
     if same_rows is None or len(same_rows) != len(leaves) or not any(same_rows) \
-            or all(same_rows):
+            or all(same_rows) or _closes_over_tracers(f, xs):
         return plain(*leaves)
 
     @jax.custom_jvp
@@ -642,7 +661,9 @@ def map_and_sum(f: Callable[..., Any], *xs: Any) -> tuple[Any, Any]:
     Derivatives, in either mode, are those of the definition (a ``custom_jvp`` whose rule
     is the stacked program), so a derivative's per-client values still meet at the
     federated ``sum`` and ``broadcast`` that the FAD closure and the privacy and secure
-    audits read; only primal rounds run the fused loop.
+    audits read; only primal rounds run the fused loop. A client function that closes over
+    tracers (a hyperparameter being differentiated; a custom_jvp cannot be differentiated
+    in what it closes over) takes the stacked form.
     """
     if not xs:
         raise ValueError("map_and_sum needs at least one client-placed argument.")
@@ -655,7 +676,7 @@ def map_and_sum(f: Callable[..., Any], *xs: Any) -> tuple[Any, Any]:
         kept, addends = _pair(map_clients(f, *jax.tree.unflatten(tree, leaves)))
         return kept, sum(addends)
 
-    if strategy != "sequential" or not _FUSE_SUMS.value:
+    if strategy != "sequential" or not _FUSE_SUMS.value or _closes_over_tracers(f, xs):
         return stacked(*leaves)
     same_rows = tuple(broadcast_source(a) is not None for a in leaves)
     if mesh is not None:
