@@ -23,7 +23,6 @@ read-once.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -78,11 +77,7 @@ def _compare(name: str, fn, args, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--per-round", type=int, default=1000)
-    parser.add_argument("--clients", type=int, default=cd.NUM_CLIENTS)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--json", default=None)
+    parser = cd.round_parser(__doc__)
     args = parser.parse_args(argv)
     split_host(common.num_cores())
 
@@ -90,16 +85,10 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from fedax import federated as fed
-    from fedax.algorithms import CohortBatches
-    from fedax.client import Batches
-    from fedax.models import get_model
-    from fedax.simulation import Execution, use_execution
-    from fedax.simulation.sources import PartitionSource
+    from fedax.simulation import use_execution
 
     k = args.per_round
-    execution = Execution("sequential", "scan", jax.device_count()).validate()
-    model = get_model(cd.MODEL)
-    params = jax.jit(model.init)(jax.random.key(cd.SEED))
+    execution, model, params, _, cohort = cd.first_round(k, args.clients)
     rows = []
     # balance_devices(False): moving clients between devices (off in both forms) would
     # otherwise move the row-by-row form's model copy too
@@ -112,13 +101,6 @@ def main(argv=None) -> int:
 
         rows.append(_compare("map", bare, (params, jnp.ones((k, 10))), args.repeats))
 
-        train, x_all, y_all = cd.load_population(args.clients)
-        source = PartitionSource(train, k / args.clients, cd.LOCAL_EPOCHS, cd.BATCH_SIZE,
-                                 seed=cd.SEED)
-        data = source.round_data(0, execution.devices)
-        (idx, mask), (n, ids) = data.sharded, data.plain
-        cohort = CohortBatches(Batches(jnp.asarray(x_all[idx]), jnp.asarray(y_all[idx]),
-                                       jnp.asarray(mask)), jnp.asarray(n), jnp.asarray(ids))
         alg, _, _ = common.timed_fedavg(model, cd.CLIENT_LR)
         state = alg.init(params, None)
         rows.append(_compare("round", lambda s, c: alg.round(s, c, None)[0].server.params,

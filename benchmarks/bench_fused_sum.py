@@ -32,7 +32,6 @@ of their models (float order only).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -97,11 +96,7 @@ def compare(name: str, fn, args, repeats: int, moves: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--per-round", type=int, default=1000)
-    parser.add_argument("--clients", type=int, default=cd.NUM_CLIENTS)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--json", default=None)
+    parser = cd.round_parser(__doc__)
     parser.add_argument("--no-balance", action="store_true",
                         help="devices keep contiguous blocks (fed.balance_devices(False))")
     args = parser.parse_args(argv)
@@ -111,24 +106,12 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from fedax import federated as fed
-    from fedax.algorithms import CohortBatches
-    from fedax.client import Batches
     from fedax.federated._lockstep import worth_moving_host
-    from fedax.models import get_model
-    from fedax.simulation import Execution, use_execution
-    from fedax.simulation.sources import PartitionSource
+    from fedax.simulation import use_execution
 
     k = args.per_round
-    execution = Execution("sequential", "scan", jax.device_count()).validate()
-    model = get_model(cd.MODEL)
-    params = jax.jit(model.init)(jax.random.key(cd.SEED))
-    train, x_all, y_all = cd.load_population(args.clients)
-    source = PartitionSource(train, k / args.clients, cd.LOCAL_EPOCHS, cd.BATCH_SIZE,
-                             seed=cd.SEED)
-    data = source.round_data(0, execution.devices)
-    (idx, mask), (n, ids) = data.sharded, data.plain
-    cohort = CohortBatches(Batches(jnp.asarray(x_all[idx]), jnp.asarray(y_all[idx]),
-                                   jnp.asarray(mask)), jnp.asarray(n), jnp.asarray(ids))
+    execution, model, params, data, cohort = cd.first_round(k, args.clients)
+    mask = cohort.batches.mask
     idle = cohort._replace(batches=cohort.batches._replace(mask=jnp.zeros_like(mask)))
     alg, _, _ = common.timed_fedavg(model, cd.CLIENT_LR)
     rows = []

@@ -125,3 +125,43 @@ def add_rates(record: dict[str, Any], per_round: int, mean_size: float) -> None:
     if s:
         record["client_updates_per_s"] = per_round / s["median"]
         record["examples_per_s"] = per_round * mean_size / s["median"]
+
+
+def first_round(per_round: int, num_clients: int = NUM_CLIENTS):
+    """The benchmarks' one-round setup: ``(execution, model, params, data, cohort)``, with
+    fedax's CPU default execution (``sequential:scan`` over every XLA device), the 2NN's
+    initial parameters, round 0's host ``RoundData`` of ``per_round`` clients, and its
+    ``CohortBatches`` on the device (the features gathered from the population)."""
+    import jax
+    import jax.numpy as jnp
+
+    from fedax.algorithms import CohortBatches
+    from fedax.client import Batches
+    from fedax.models import get_model
+    from fedax.simulation import Execution
+    from fedax.simulation.sources import PartitionSource
+
+    execution = Execution("sequential", "scan", jax.device_count()).validate()
+    model = get_model(MODEL)
+    params = jax.jit(model.init)(jax.random.key(SEED))
+    train, x_all, y_all = load_population(num_clients)
+    source = PartitionSource(train, per_round / num_clients, LOCAL_EPOCHS, BATCH_SIZE,
+                             seed=SEED)
+    data = source.round_data(0, execution.devices)
+    (idx, mask), (n, ids) = data.sharded, data.plain
+    cohort = CohortBatches(Batches(jnp.asarray(x_all[idx]), jnp.asarray(y_all[idx]),
+                                   jnp.asarray(mask)), jnp.asarray(n), jnp.asarray(ids))
+    return execution, model, params, data, cohort
+
+
+def round_parser(doc: str):
+    """The command line of a one-round benchmark on this workload: ``--per-round`` (K),
+    ``--clients`` (N), ``--repeats``, ``--json``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--per-round", type=int, default=1000)
+    parser.add_argument("--clients", type=int, default=NUM_CLIENTS)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--json", default=None)
+    return parser

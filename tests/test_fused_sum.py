@@ -387,3 +387,30 @@ def test_a_fedavg_round_compiles_without_a_stack_of_updates():
     stack = n * (d * k + k) * 4
     assert temp[False] >= stack
     assert temp[True] < stack / 4, temp
+
+
+def test_the_benchmark_compares_the_three_forms(tmp_path):
+    """``benchmarks/bench_fused_sum.py`` at toy size: every form of both parts ran, the
+    forms' models agree, and the stacked baselines really hold the K updates that the
+    fused form does not (a benchmark whose forms were one program would show equal
+    memory)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import _child_env
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_fused_sum.py"
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, str(script), "--per-round", "40", "--clients",
+                           "200", "--repeats", "1", "--json", str(out)], env=_child_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["part"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"round", "round_no_steps"}
+    stack = 40 // 4 * 199_210 * 4  # half a device's block of updates, at least
+    for r in rows.values():
+        assert all(r[k]["s_median"] > 0 for k in ("fused", "stacked", "0.4.0"))
+        assert r["stacked"]["temp_bytes"] - r["fused"]["temp_bytes"] >= stack
+        assert r["max_abs_diff_stacked"] < 1e-5 and r["max_abs_diff_0.4.0"] < 1e-5
