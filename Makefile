@@ -27,8 +27,9 @@ demo: $(VENV)/.installed
 
 # The multi-device and cross-strategy tests again under another vector ISA (x86 only), which
 # reduces floats in other orders: they must hold the README's guarantee on any CPU.
-ISA_TESTS := tests/test_runner.py tests/test_federated.py tests/test_device_data.py \
-	tests/test_algorithms_common.py tests/test_nan_safety.py
+# (tests/test_algorithms_common.py, test_nan_safety.py and test_fused_sum.py pass there too;
+# they are left out here to keep CI under its 20 minutes: run them by hand with these flags.)
+ISA_TESTS := tests/test_runner.py tests/test_federated.py tests/test_device_data.py
 # ... less the tests there that compare nothing across orders (CLI plumbing, same-seed runs),
 # and the `fedax run --devices` subprocess test, whose numbers the in-process
 # test_rounds_sharded_over_devices_equal_one_device checks here at 2 and 8 devices (26 s saved).

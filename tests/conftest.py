@@ -9,6 +9,15 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count=8"
 if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
 
+# The suite compiles thousands of small programs and runs each for milliseconds: LLVM's
+# expensive optimization passes (which keep IEEE float semantics) cost more than they save
+# here (test_runner.py cold: 70 s against 86 s). FEDAX_TEST_FAST_COMPILE=0 keeps them;
+# the fedax subprocesses the tests start inherit the flag (``_child_env``).
+_COMPILE_FLAG = "--xla_llvm_disable_expensive_passes=true"
+if os.environ.get("FEDAX_TEST_FAST_COMPILE", "1") != "0" \
+        and "xla_llvm_disable_expensive_passes" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_COMPILE_FLAG}"
+
 # One persistent XLA compilation cache for the whole suite, the fedax subprocesses it starts
 # included (they inherit the environment): many tests compile the same round program, and a
 # cached executable is the very program a fresh compile gives. FEDAX_TEST_JAX_CACHE=0 turns
