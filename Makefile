@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: demo test typecheck lint install clean docs
+.PHONY: demo test test-isa typecheck lint install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ demo: $(VENV)/.installed
 # The multi-device and cross-strategy tests again under another vector ISA (x86 only), which
 # reduces floats in other orders: they must hold the README's guarantee on any CPU.
 # (tests/test_algorithms_common.py, test_nan_safety.py and test_fused_sum.py pass there too;
-# they are left out here to keep CI under its 20 minutes: run them by hand with these flags.)
+# run them by hand with these flags.)
 ISA_TESTS := tests/test_runner.py tests/test_federated.py tests/test_device_data.py
 # ... less the tests there that compare nothing across orders (CLI plumbing, same-seed runs),
 # and the `fedax run --devices` subprocess test, whose numbers the in-process
@@ -46,13 +46,16 @@ PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 typecheck: $(VENV)/.test-installed
 	$(BIN)/mypy
 
-## test: install the test tools, lint, type-check, run the test suite (and the multi-device
-## tests at AVX2)
+## test: install the test tools, lint, type-check, run the test suite
 test: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest $(PARALLEL) -m "not serial"
 	$(BIN)/pytest -m serial
+
+## test-isa: the multi-device tests again at AVX2 (x86), as before a release; CI leaves them
+## out to stay within its 20 minutes
+test-isa: $(VENV)/.test-installed
 	@if [ "$$(uname -m)" = x86_64 ]; then \
 	  echo "== multi-device tests with XLA_FLAGS=--xla_cpu_max_isa=AVX2"; \
 	  XLA_FLAGS="$$XLA_FLAGS --xla_cpu_max_isa=AVX2" $(BIN)/pytest $(PARALLEL) $(ISA_TESTS) \
