@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 
-.PHONY: demo test test-isa typecheck lint install clean docs
+.PHONY: demo test test-slow test-isa typecheck lint install clean docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,8 +50,13 @@ typecheck: $(VENV)/.test-installed
 test: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest $(PARALLEL) -m "not serial"
-	$(BIN)/pytest -m serial
+	$(BIN)/pytest $(PARALLEL) -m "not serial and not slow"
+	$(BIN)/pytest -m "serial and not slow"
+
+## test-slow: the end-to-end reproductions and long docs pages that CI leaves out (20 minutes)
+test-slow: $(VENV)/.test-installed
+	$(BIN)/pytest $(PARALLEL) -m "slow and not serial"
+	$(BIN)/pytest -m "slow and serial"
 
 ## test-isa: the multi-device tests again at AVX2 (x86), as before a release; CI leaves them
 ## out to stay within its 20 minutes

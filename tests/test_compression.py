@@ -591,6 +591,7 @@ def test_compression_paper_message_bytes():
         paper_bytes({"scheme": "top_k", "fraction": 0.01})
 
 
+@pytest.mark.slow
 def test_compression_paper_runs_end_to_end(tmp_path):
     """A tiny ``compression`` paper through the engine: its grid's configs, each scheme's row
     (accuracy over the subset's last_k evaluations, bytes, ratios), the mean-estimation

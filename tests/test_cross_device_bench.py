@@ -191,6 +191,7 @@ def _python() -> str:
     return str(BENCH_PYTHON) if BENCH_PYTHON.exists() else sys.executable
 
 
+@pytest.mark.slow
 def test_toy_comparison_writes_the_json_and_its_summary_section(tmp_path, child_env):
     out = tmp_path / "out"
     out.mkdir()

@@ -19,7 +19,16 @@ def workdir(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT / "docs")) for p in PAGES])
+# The two longest pages (each trains MNIST models for most of a minute) run in make test-slow.
+SLOW_PAGES = {"tutorials/robust.md", "tutorials/engines.md"}
+
+
+def _page(p):
+    name = str(p.relative_to(ROOT / "docs"))
+    return pytest.param(p, id=name, marks=[pytest.mark.slow] if name in SLOW_PAGES else [])
+
+
+@pytest.mark.parametrize("page", [_page(p) for p in PAGES])
 def test_every_code_block_of_the_page_runs(page, workdir):
     ran = run_page(page, workdir)
     if page.name == "results.md":

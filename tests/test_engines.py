@@ -230,6 +230,7 @@ def test_the_char_lstm_over_the_network_equals_the_simulator(tmp_path):
     assert task["model"] == "char_lstm"
 
 
+@pytest.mark.slow
 @pytest.mark.serial
 def test_compressed_uplinks_on_the_wire(tmp_path):
     """The codes are what crosses: each client encodes with the aggregator's state the

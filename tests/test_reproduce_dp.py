@@ -50,6 +50,7 @@ def test_hook_epsilon_table_over_fractions_of_the_rounds():
     assert s["epsilon_table"][-1]["pld"] == pytest.approx(ledger.epsilon_after(8))
 
 
+@pytest.mark.slow
 def test_adaptive_clipping_end_to_end(tmp_path):
     paper = _tiny(ADAPTIVE, clips=[0.3, 1.0], levels=[
         {"key": "eps2", "label": "ε ≈ 2", "target": 2.0},

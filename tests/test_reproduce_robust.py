@@ -5,6 +5,8 @@ and report follow from its runs."""
 import json
 from dataclasses import replace
 
+import pytest
+
 from fedax.reproduce import EXPERIMENTS, reproduce
 
 PAPER = EXPERIMENTS["robust-aggregation"]
@@ -14,6 +16,7 @@ TINY = {"num_clients": 10, "client_fraction": 0.5, "rounds": 2, "eval_every": 1,
         "backdoor_fractions": [0.2], "backdoor_rounds": 1}
 
 
+@pytest.mark.slow
 def test_robust_aggregation_paper_runs_end_to_end(tmp_path):
     paper = replace(PAPER, base={**PAPER.base, "model": "logistic"},
                     settings={"common": PAPER.settings["common"], "quick": TINY})

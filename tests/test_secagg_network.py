@@ -433,8 +433,9 @@ def test_distributed_dp_clients_noise_with_their_own_keys(pki, parts):
 
 
 @pytest.mark.serial
-@pytest.mark.parametrize("privacy", [[], [*DP, "rounds=1", "checkpoint_every=1"]],
-                         ids=["mean", "gaussian"])
+@pytest.mark.parametrize("privacy", [
+    [], pytest.param([*DP, "rounds=1", "checkpoint_every=1"], marks=pytest.mark.slow)],
+    ids=["mean", "gaussian"])
 def test_secure_mnist_over_the_network_equals_the_simulator(privacy, tmp_path):
     """The shipped MNIST 2NN non-IID config with ``secure: {bits: 32}`` (the secure mean,
     two rounds; with ``privacy.mechanism: gaussian``, central DP noise on the secure sum,
