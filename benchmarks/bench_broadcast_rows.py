@@ -4,7 +4,7 @@
     python benchmarks/bench_broadcast_rows.py --per-round 5000 --json out.json
 
 ``map_clients`` under ``sequential`` reads an argument that ``fed.broadcast`` made as its
-first row (``fedax.federated._primitives._sequential``), so XLA never builds the model's
+first row (``fedax.federated._map._sequential``), so XLA never builds the model's
 ``[K, ...]`` copy; the baseline is the same program with the detection switched off while
 tracing (``_primitives.broadcast_source`` answering None), i.e. the row-by-row map. Both
 are compiled in this process and their rounds alternated, over the host's cores as XLA
@@ -105,10 +105,7 @@ def main(argv=None) -> int:
         state = alg.init(params, None)
         rows.append(_compare("round", lambda s, c: alg.round(s, c, None)[0].server.params,
                              (state, cohort), args.repeats))
-    record = {"benchmark": "bench_broadcast_rows", "time": common.now_iso(),
-              "machine": common.machine_info(), "versions": common.versions("jax", "jaxlib"),
-              "per_round": k, "devices": execution.devices,
-              "execution": execution._asdict(), "rows": rows}
+    record = cd.round_record("bench_broadcast_rows", execution, k, rows)
     if args.json:
         common.write_json(args.json, record)
     return 0

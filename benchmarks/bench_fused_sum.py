@@ -125,11 +125,8 @@ def main(argv=None) -> int:
         moves = worth_moving_host(data.steps, execution.devices)
         rows.append(compare("round", round_, (state, cohort), args.repeats, moves))
         rows.append(compare("round_no_steps", round_, (state, idle), args.repeats, moves))
-    record = {"benchmark": "bench_fused_sum", "time": common.now_iso(),
-              "machine": common.machine_info(), "versions": common.versions("jax", "jaxlib"),
-              "per_round": k, "devices": execution.devices,
-              "balance_devices": not args.no_balance, "forms": FORMS,
-              "execution": execution._asdict(), "rows": rows}
+    record = cd.round_record("bench_fused_sum", execution, k, rows,
+                             balance_devices=not args.no_balance, forms=FORMS)
     if args.json:
         common.write_json(args.json, record)
     return 0

@@ -87,7 +87,7 @@ def fedax_part(args, arrays) -> dict:
     from fedax import federated as fed
     from fedax.algorithms import CohortBatches, fedavg
     from fedax.client import Batches
-    from fedax.federated import _primitives
+    from fedax.federated import _map
     from fedax.models import char_lstm
     from fedax.models.losses import token_cross_entropy
     from fedax.simulation import Execution, use_execution
@@ -115,7 +115,7 @@ def fedax_part(args, arrays) -> dict:
     options = compiler_options(dots=cpu_dots_for("char_lstm"))
 
     stamps: list[tuple[str, int, float]] = []
-    original = _primitives._map_local
+    original = _map._map_local
 
     def timed_map_local(f, xs, strategy, same_rows=None):  # per-device busy, from the device
         i = jax.lax.axis_index(fed.CLIENTS_AXIS)
@@ -140,7 +140,7 @@ def fedax_part(args, arrays) -> dict:
     for name, map_, balanced in configs:
         execution = Execution(map_, "scan", devices)
         if not args.no_busy and execution.mesh() is not None:
-            _primitives._map_local = timed_map_local
+            _map._map_local = timed_map_local
         try:
             with _on_mesh(execution), \
                     use_execution(execution), fed.balance_devices(balanced), \
@@ -151,7 +151,7 @@ def fedax_part(args, arrays) -> dict:
                 out = jax.block_until_ready(fn(state0, cohort))
                 compiled[name] = (fn, execution, balanced, time.perf_counter() - started, out)
         finally:
-            _primitives._map_local = original
+            _map._map_local = original
     reference = compiled["sequential contiguous"][4]
     # How far rounding alone can carry this round: the contiguous round again from the
     # initial model moved by 1e-7 (relative) noise. At lr 1.47 a Shakespeare client of 80

@@ -165,3 +165,12 @@ def round_parser(doc: str):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", default=None)
     return parser
+
+
+def round_record(benchmark: str, execution, per_round: int, rows: list, **extra) -> dict:
+    """A one-round benchmark's JSON record: its name, time, machine, JAX versions, K, the
+    execution and its ``rows`` (plus ``extra`` fields)."""
+    return {"benchmark": benchmark, "time": common.now_iso(),
+            "machine": common.machine_info(), "versions": common.versions("jax", "jaxlib"),
+            "per_round": per_round, "devices": execution.devices,
+            "execution": execution._asdict(), **extra, "rows": rows}

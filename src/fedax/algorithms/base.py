@@ -483,15 +483,15 @@ def fused_cohort_round(
     the server holds one running total, not ``[C, P]`` updates. The same function as the
     stacked round, float order aside; derivatives are the stacked round's."""
 
+    def alone(tree):  # one client's values as a cohort of one, for the cohort checks
+        return jax.tree.map(lambda a: jnp.asarray(a)[None], tree)
+
     def one(payload, client_state, batches, num_examples, raw_key):
         message = client_half(pieces, payload, client_state, batches, num_examples, raw_key)
-        finite = client_finite(jax.tree.map(
-            lambda a: jnp.asarray(a)[None],
+        finite = client_finite(alone(
             (message.update, message.stats, message.sums, message.client_state)))[0]
         weight = jnp.where(finite, message.weight, 0)
-        sums = keep_clients(jax.tree.map(lambda a: jnp.asarray(a)[None], message.sums),
-                            finite[None])
-        sums = jax.tree.map(lambda a: a[0], sums)
+        sums = jax.tree.map(lambda a: a[0], keep_clients(alone(message.sums), finite[None]))
         terms = fed.weighted_terms(message.update, weight)
         return _Kept(message.stats, message.client_state, finite, weight), (terms, sums)
 

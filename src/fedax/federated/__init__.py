@@ -12,21 +12,23 @@ from fedax.federated._audit import (
 from fedax.federated._comm import CommCost, comm_cost
 from fedax.federated._dp import dp_clip, dp_noise
 from fedax.federated._lockstep import balance_devices, lockstep_axis, lockstep_width
-from fedax.federated._primitives import (
-    CLIENTS_AXIS,
+from fedax.federated._map import (
     ClientMapper,
-    broadcast,
-    broadcast_p,
-    collect,
-    collect_p,
     current_map_strategy,
-    distribute,
-    distribute_p,
-    divide_by_weight,
     fuse_sums,
     map_and_sum,
     map_clients,
     map_strategy,
+)
+from fedax.federated._primitives import (
+    CLIENTS_AXIS,
+    broadcast,
+    broadcast_p,
+    collect,
+    collect_p,
+    distribute,
+    distribute_p,
+    divide_by_weight,
     mean,
     sum,
     sum_p,
