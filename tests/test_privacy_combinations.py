@@ -261,10 +261,106 @@ def test_a_dp_round_moves_what_it_releases_by_at_most_the_clip():
     assert change > 1e-3  # and the neighbour does move it
 
 
-def test_scaffold_with_a_dp_aggregator_would_release_unbounded_control_variates():
-    """Why SCAFFOLD is refused: its Δc_i bypass the DP aggregator (exact sums)."""
+def test_scaffold_with_a_dp_aggregator_is_refused_from_python_and_from_the_config():
+    """SCAFFOLD's Δc_i bypass the DP aggregator (exact sums): the registry refuses the
+    composition in one line before anything is traced, the module's own function when its
+    round is traced (whatever a registry entry declared), and the config at validation."""
     from fedax.aggregators import dp_gaussian
+    from fedax.algorithms import scaffold
 
-    assert _released_change("scaffold", dp_gaussian(CLIP, Z, M)) > 100 * CLIP / M
+    aggregator = dp_gaussian(CLIP, Z, M)
+    with pytest.raises(ValueError, match=r"^algorithm 'scaffold' uploads .* exact sums .* "
+                       r"DP release does not cover; use one of fedavg"):
+        ALGORITHMS["scaffold"](_loss, num_clients=N, client_lr=0.05, aggregator=aggregator)
+    direct = scaffold(_loss, 0.05, N, aggregator=aggregator)
+    state = direct.init(_params(), jax.random.key(0))
+    with pytest.raises(ValueError, match="exact sums beside the update.*DP release"):
+        jax.eval_shape(direct.round, state, _cohort(np.random.default_rng(0), False),
+                       jax.random.key(1))
     with pytest.raises(ConfigError, match="exact sums"):
         validate_config(_config("scaffold", "user", "gaussian", "fixed", None))
+
+
+# ------------------------------------- the audit: every algorithm × every DP/secure rule
+
+
+def _loss(params, batch):
+    logits = _apply(params, batch.x)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch.y[..., None], -1)[..., 0]
+    return jnp.sum(nll * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
+
+
+def _private_and_secure_aggregators():
+    """Every DP and secure aggregator of ``fedax.aggregators``, with its audit kind: the
+    kinds every model-sized upload of a round through it must have; None where the audit
+    cannot classify its release (a clip read from the aggregator's state, not a static
+    bound of the ``dp_clip`` marker: the adaptive rules; codes uploaded and clipped again
+    after decoding: ``dp_compressed``), whose ``private`` declaration and
+    refusals are still checked."""
+    from fedax import aggregators as agg
+    from fedax.aggregators.compressors import cast
+
+    secure = agg.secure_mean(CLIP, 100.0, bits=20)
+    return {
+        "dp_gaussian": (agg.dp_gaussian(CLIP, Z, M), {"dp"}),
+        "dp_gaussian_secure": (agg.dp_gaussian(CLIP, Z, M, secure=20), {"secure+dp"}),
+        "dp_adaptive_gaussian": (agg.dp_adaptive_gaussian(Z, M, clipped_count_stddev=M),
+                                 None),
+        "adaclip": (agg.adaclip(Z, M), None),
+        "dp_compressed": (agg.dp_compressed(cast("bfloat16"), CLIP, Z, M), None),
+        # (beside the noised sum, a secure sum of its 3 overflow and clip counters)
+        "distributed_dp": (agg.distributed_dp(CLIP, Z, M, bits=20), {"secure+dp", "secure"}),
+        "secure_mean": (secure, {"secure"}),
+    }
+
+
+def test_every_algorithm_with_every_private_or_secure_aggregator_uploads_only_covered_sums():
+    """The audit of the traced round (``fed.audit_sums``, by dataflow): with each DP or
+    secure aggregator, every registered algorithm is refused in one line exactly when its
+    registry declares exact sums, and otherwise every upload of more than one number a
+    client is the aggregator's DP or secure sum (the update among them); one number a client (a count, a reported
+    training statistic, the adaptive clip's noised bit) is a round metric. The aggregator's
+    ``private`` declaration is what the audit finds."""
+    from fedax import federated as fed
+
+    cohort = _cohort(np.random.default_rng(0), False)
+    for (name, spec), (rule, (aggregator, kinds)) in itertools.product(
+            ALGORITHMS.items(), _private_and_secure_aggregators().items()):
+        where = f"{name} × {rule}"
+        if spec.exact_sums:
+            with pytest.raises(ValueError, match="exact sums beside the update"):
+                spec(_loss, num_clients=N, client_lr=0.05, aggregator=aggregator)
+            continue
+        algorithm = spec(_loss, num_clients=N, client_lr=0.05, aggregator=aggregator)
+        if kinds is None:
+            assert aggregator.private, where
+            continue
+        state = algorithm.init(_params(), jax.random.key(0))
+        audits = fed.audit_sums(jax.make_jaxpr(algorithm.round)(state, cohort,
+                                                                jax.random.key(1)))
+        model_sized = [a for a in audits if a.shape[1:] != ()]
+        assert model_sized, where
+        assert {a.kind for a in model_sized} <= kinds, (where, [(a.kind, a.shape)
+                                                                 for a in model_sized])
+        params = sum(leaf.size for leaf in jax.tree.leaves(_params()))
+        released = sum(math.prod(a.shape[1:]) for a in model_sized if a.kind in kinds)
+        assert released >= params, where  # the update itself goes up that way
+        assert aggregator.private == any(a.private for a in audits), where
+
+
+def test_an_algorithm_must_declare_what_it_uploads_and_keeps():
+    from fedax.algorithms import AlgorithmSpec, register
+
+    build = ALGORITHMS["fedavg"].build
+    with pytest.raises(ValueError, match="must declare exact_sums and client_state"):
+        AlgorithmSpec("mine", build)
+    with pytest.raises(ValueError, match="must declare client_state"):
+        AlgorithmSpec("mine", build, exact_sums=())
+    with pytest.raises(ValueError, match="registered already"):
+        register(AlgorithmSpec("fedavg", build, exact_sums=(), client_state=False))
+    lying = AlgorithmSpec("mine", build, exact_sums=(), client_state=True)
+    with pytest.raises(ValueError, match="declares client_state=True but its pieces keep "
+                       "no per-client state"):
+        lying(_loss, num_clients=N, client_lr=0.05)
+    with pytest.raises(ValueError, match="keeps per-client state and needs num_clients"):
+        ALGORITHMS["scaffold"](_loss, num_clients=None, client_lr=0.05)

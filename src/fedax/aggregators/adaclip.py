@@ -217,4 +217,5 @@ def adaclip(
                    "dp_noise_stddev": (sigma * rms_b).astype(jnp.float32)}
         return estimate, AdaClipState(mean, variance), metrics
 
-    return Aggregator(init, client=client, reduce=total().reduce, server=server)
+    return Aggregator(init, client=client, reduce=total().reduce, server=server,
+                      private=z > 0)

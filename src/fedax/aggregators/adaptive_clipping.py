@@ -174,4 +174,5 @@ def dp_adaptive_gaussian(
                    "dp_noise_stddev": z_value * clip / m}
         return value, QuantileClipState(new_clip.astype(jnp.float32)), metrics
 
-    return Aggregator(init, client=client, reduce=total().reduce, server=server)
+    return Aggregator(init, client=client, reduce=total().reduce, server=server,
+                      private=z > 0)

@@ -62,6 +62,11 @@ class Aggregator(NamedTuple):
         ``weight`` = Σ w_k. It must equal ``reduce`` on those sums. An engine may then sum
         the clients' terms as they are made (``fedax.federated.map_and_sum``) instead of
         stacking every client's value (``mean``, ``total``).
+      private: it declares a DP release (noise of a positive multiplier on clipped values:
+        ``dp_gaussian``, ``dp_adaptive_gaussian``, ``adaclip``, ``distributed_dp``); what
+        composes with it is decided from this (an algorithm's exact sums beside the update
+        are refused), and ``tests/test_privacy_combinations.py`` checks it against the
+        audit of the traced round (``fedax.federated.audit_sums``).
     """
 
     init: Callable[[Any], Any]
@@ -70,6 +75,7 @@ class Aggregator(NamedTuple):
     server: ServerFn | None = None
     secure: Any = None
     linear: LinearFn | None = None
+    private: bool = False
 
 
 def no_state(template: Any) -> tuple:
@@ -253,4 +259,4 @@ def chain(*parts: Aggregator) -> Aggregator:
             return part_linear(total, weight, state[r], _fold(key, r))
 
     return Aggregator(init, client if clients else None, reduce, server if servers else None,
-                      parts[r].secure, linear)
+                      parts[r].secure, linear, any(p.private for p in parts))

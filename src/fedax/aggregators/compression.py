@@ -297,5 +297,5 @@ def dp_compressed(
     """
     dp = dp_gaussian(clip, noise_multiplier, denominator, per_layer=per_layer,
                      weighting=weighting, example_cap=example_cap)
-    return chain(Aggregator(dp.init, dp.client, None, dp.server),
+    return chain(Aggregator(dp.init, dp.client, None, dp.server, private=dp.private),
                  compressed(compressor, reduction="sum", decoded_clip=clip))

@@ -386,7 +386,7 @@ def distributed_dp(
         return (jax.tree.unflatten(treedef, out),
                 DistributedDpState(new_key, state.template), metrics)
 
-    return Aggregator(init, client, reduce, server, secure=spec)
+    return Aggregator(init, client, reduce, server, secure=spec, private=z > 0)
 
 
 __all__ = [

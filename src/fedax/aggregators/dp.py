@@ -203,4 +203,4 @@ def dp_gaussian(
         return value, state, metrics
 
     return Aggregator(no_state, client=client, reduce=sum_reduce, server=server,
-                      secure=None if secure is None else spec)
+                      secure=None if secure is None else spec, private=z > 0)

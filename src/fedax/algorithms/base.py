@@ -344,6 +344,18 @@ def client_half(pieces: RoundPieces, payload: Any, client_state: Any, batches: B
     return pieces.client_update(payload, client_state, batches, num_examples, key)
 
 
+def refuse_uncovered_sums(aggregator: Aggregator, sums: Any) -> None:
+    """Refuse, when a round is traced, exact ``sums`` beside an aggregator that declares a
+    DP release or secure aggregation: neither covers them (they are summed in the clear),
+    whatever the algorithm's registry entry declared."""
+    if not jax.tree.leaves(sums) or not (aggregator.private or aggregator.secure is not None):
+        return
+    what = "a DP release" if aggregator.private else "secure aggregation"
+    raise ValueError(f"the clients' messages carry exact sums beside the update "
+                     f"({len(jax.tree.leaves(sums))} arrays), which {what} does not cover; "
+                     "use an algorithm without them (its AlgorithmSpec.exact_sums=())")
+
+
 def server_half(
     pieces: RoundPieces, state: RoundState, updates: Any, weights: jax.Array,
     stats: dict[str, jax.Array], sums: Any, counted: jax.Array, key: jax.Array | None,
@@ -372,6 +384,7 @@ def server_half(
     num_clients = weights.shape[0]
     default_keys, reduce_key, server_key = round_keys(key, num_clients)
     aggregator = pieces.aggregator
+    refuse_uncovered_sums(aggregator, sums if summed is None else summed[1])
     if summed is None and fuses_sums(pieces):
         # the stacked updates summed in the fused loop's order, as a fused round sums
         # them (so FedBuff in lockstep is the synchronous run bit for bit)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedax.aggregators import Aggregator
@@ -103,3 +104,21 @@ def make_fednova(
     per-client state, so ``num_clients`` is unused."""
     del num_clients
     return fednova(loss_fn, client_lr, server_optimizer, aggregator, local_stopping)
+
+
+def check_sums(client_lr: float):
+    """The server's re-check of a FedNova report's exact sums (the registry's
+    ``ExactSums.check``): (Σ n_i τ_i, Σ n_i) must be (n_k K_i, n_k) exactly, from the
+    report's own checked n_k and steps."""
+    del client_lr
+
+    def check(report, payload, steps):
+        del payload
+        weighted, total = (float(np.asarray(s)) for s in report.sums)
+        n = float(report.num_examples)
+        if total != n or weighted != np.float32(n * steps):
+            return (f"FedNova sums ({weighted:g}, {total:g}) are not (n_k·τ_k, n_k) = "
+                    f"({n * steps:g}, {n:g})")
+        return None
+
+    return check

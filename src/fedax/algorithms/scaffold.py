@@ -51,6 +51,7 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedax.aggregators import Aggregator
@@ -185,3 +186,29 @@ def scaffold(
         spread=stopping_spread(local_stopping),
     )
     return compose(pieces, num_clients)
+
+
+def check_sums(client_lr: float):
+    """The server's re-check of a SCAFFOLD (Option II) report's exact sums (the registry's
+    ``ExactSums.check``): ``check(report, payload, steps) -> reason | None`` with
+    Δc_i = −c + Δy_i / (K_i η_l), the server's own c and the report's own update and steps,
+    to float tolerance (the client computes (c_i − c + Δy/s) − c_i: rounding of order
+    |c_i| ~ |c|). A client with n_k = 0 sends zeros."""
+
+    def check(report, payload, steps):
+        _, control = payload
+        scale = max(steps, 1.0) * client_lr
+        active = float(report.num_examples) > 0
+        leaves, _ = jax.tree_util.tree_flatten_with_path(report.sums)
+        for (path, dc), c, u in zip(leaves, jax.tree.leaves(control),
+                                    jax.tree.leaves(report.update), strict=True):
+            dc, c, u = (np.asarray(a, np.float64) for a in (dc, c, u))
+            expected = (-c + u / scale) if active else np.zeros_like(c)
+            tolerance = 1e-3 * (np.abs(expected).max(initial=0.0)
+                                + np.abs(c).max(initial=0.0)) + 1e-6
+            if np.abs(dc - expected).max(initial=0.0) > tolerance:
+                return (f"SCAFFOLD control delta {jax.tree_util.keystr(path)} is not "
+                        f"−c + Δy/(K·η_l) for the report's own update and K={steps:g}")
+        return None
+
+    return check

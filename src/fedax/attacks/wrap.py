@@ -86,7 +86,7 @@ def _passing_flags(inner: Aggregator) -> Aggregator:
         return value, {**metrics, "attackers_in_cohort": fed.sum(attacker.astype(jnp.int32))}
 
     return Aggregator(inner.init, None if inner.client is None else client, reduce,
-                      inner.server, inner.secure)
+                      inner.server, inner.secure, private=inner.private)
 
 
 def attacked(algorithm: FederatedAlgorithm, adversary: Adversary | None,

@@ -91,7 +91,7 @@ class Config(_Section):
     model: Literal["2nn", "cnn", "logistic", "char_lstm"]
     # bfloat16: compute in bfloat16 with float32 master weights (fedax.models.precision)
     precision: Literal["float32", "bfloat16"] = "float32"
-    algorithm: Literal[tuple(ALGORITHMS)]  # the registry's names
+    algorithm: str  # a registry name (ALGORITHMS, read when the config is validated)
     # FedProx's proximal weight (its registry default); also algorithm_options.mu
     mu: Number = Field(ALGORITHMS["fedprox"].options["mu"], ge=0, allow_inf_nan=False)
     # the algorithm's own options as its registry entry declares them (AlgorithmSpec.options:
@@ -161,6 +161,14 @@ class Config(_Section):
                 f"'natural' needs a data set with its own clients (synthetic, shakespeare),"
                 f" got dataset {dataset!r}"
             )
+        return value
+
+    @field_validator("algorithm")
+    @classmethod
+    def _registered_algorithm(cls, value: Any) -> Any:
+        if value not in ALGORITHMS:  # the registry now, with algorithms registered since
+            raise ValueError("must be one of " + ", ".join(repr(n) for n in ALGORITHMS)
+                             + f", got {value!r}")
         return value
 
     @field_validator("model")

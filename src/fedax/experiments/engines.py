@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from fedax.algorithms import ALGORITHMS
 from fedax.experiments.sections import Number, _Section
 
 
@@ -126,8 +127,8 @@ def _buffered_refusals(config: Any) -> dict[str, tuple[bool, str]]:
     """What buffered asynchronous updates (FedBuff, simulated or networked) cannot carry."""
     a, m = config.asynchronous, _cohort(config)
     compressed = config.compression is not None
-    return {"algorithm": (config.algorithm.startswith("scaffold"), "keeps per-client state "
-                         "(c_i), which buffered asynchronous updates do not carry"),
+    return {"algorithm": (ALGORITHMS[config.algorithm].client_state, "keeps per-client "
+                         "state, which buffered asynchronous updates do not carry"),
            "compression.error_feedback": (compressed and config.compression.error_feedback,
                                           "keeps per-client state (the residual), which "
                                           "buffered asynchronous updates do not carry"),

@@ -15,13 +15,13 @@ The bounds (a report failing one is refused with kind ``bounds`` and never aggre
 * ``stats["local_steps"]``, where the algorithm reports it, is an integer K_i in
   [0, E·⌈n_k/B⌉] (``fedax.data.num_local_steps``; fewer with early stopping);
 * the exact sums an algorithm uploads beside its update (``AlgorithmSpec.exact_sums``,
-  which no aggregator sees) are what its client computes from the rest of the report:
-  SCAFFOLD (Option II) Δc_i = −c + Δy_i / (K_i η_l) with the server's own c, Δy_i the
-  report's update and K_i its steps, to float tolerance; FedNova (Σ n_i τ_i, Σ n_i) =
-  (n_k K_i, n_k) exactly. An algorithm with exact sums and no check here is refused by the
-  runtime (``sums_check``), so a new one cannot slip through unchecked. SCAFFOLD Option I
-  (Δc_i = g_i(x) − c_i, a gradient the server cannot recompute) is refused for the same
-  reason.
+  which no aggregator sees) are what its client computes from the rest of the report, by
+  the check its registry entry declares (``AlgorithmSpec.check_sums``, in the algorithm's
+  own module): SCAFFOLD (Option II) Δc_i = −c + Δy_i / (K_i η_l) with the server's own c,
+  Δy_i the report's update and K_i its steps, to float tolerance; FedNova (Σ n_i τ_i, Σ n_i)
+  = (n_k K_i, n_k) exactly. An algorithm with exact sums and no declared check is refused
+  by the runtime (``sums_check``), so a new one cannot slip through unchecked; SCAFFOLD
+  Option I (Δc_i = g_i(x) − c_i, a gradient the server cannot recompute) is one.
 
 What the bounds do not cover, by design: a client may send any update within them (the
 aggregator bounds its effect: a clip, a robust rule, DP noise), any n_k up to
@@ -34,67 +34,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
 from fedax.data.client_data import num_local_steps
 from fedax.runtime import wire
 
-# algorithm name -> check of its exact sums: (report, payload, steps) -> reason or None
+# a check of an algorithm's exact sums: (report, payload, steps) -> reason or None
 SumsCheck = Callable[[Any, Any, float], "str | None"]
 
 
-def _scaffold_sums(client_lr: float) -> SumsCheck:
-    def check(report, payload, steps):
-        _, control = payload
-        scale = max(steps, 1.0) * client_lr
-        active = float(report.num_examples) > 0
-        for path, (dc, c, u) in _leaves_with_path(report.sums, control, report.update):
-            dc, c, u = (np.asarray(a, np.float64) for a in (dc, c, u))
-            expected = (-c + u / scale) if active else np.zeros_like(c)
-            # the client computes (c_i − c + Δy/s) − c_i: rounding of order |c_i| ~ |c|
-            tolerance = 1e-3 * (np.abs(expected).max(initial=0.0)
-                                + np.abs(c).max(initial=0.0)) + 1e-6
-            if np.abs(dc - expected).max(initial=0.0) > tolerance:
-                return (f"SCAFFOLD control delta {path} is not −c + Δy/(K·η_l) for the "
-                        f"report's own update and K={steps:g}")
-        return None
-
-    return check
-
-
-def _fednova_sums(report, payload, steps):
-    del payload
-    weighted, total = (float(np.asarray(s)) for s in report.sums)
-    n = float(report.num_examples)
-    if total != n or weighted != np.float32(n * steps):
-        return (f"FedNova sums ({weighted:g}, {total:g}) are not (n_k·τ_k, n_k) = "
-                f"({n * steps:g}, {n:g})")
-    return None
-
-
 def sums_check(algorithm: str, client_lr: float) -> SumsCheck | None:
-    """The check of ``algorithm``'s exact sums; None if it uploads none. Raises
-    ``ValueError`` (naming the fix) for an algorithm whose sums the server cannot check."""
+    """The check of ``algorithm``'s exact sums, as its registry entry declares it
+    (``AlgorithmSpec.check_sums``, written in the algorithm's own module); None if it
+    uploads none. Raises ``ValueError`` (naming the fix) for an algorithm whose sums the
+    server cannot check."""
     from fedax.algorithms import ALGORITHMS
 
-    if not ALGORITHMS[algorithm].exact_sums:
+    spec = ALGORITHMS[algorithm]
+    if not spec.exact_sums:
         return None
-    checks = {"scaffold": _scaffold_sums(client_lr), "fednova": _fednova_sums}
-    if algorithm not in checks:
+    if spec.check_sums is None:
+        able = ", ".join(repr(n) for n, s in ALGORITHMS.items()
+                         if not s.exact_sums or s.check_sums is not None)
         raise ValueError(f"algorithm {algorithm!r} uploads exact sums the server cannot "
-                         "check over the network (" + "; ".join(
-                             ALGORITHMS[algorithm].exact_sums) + "); use "
-                         + ("'scaffold' (Option II)" if algorithm.startswith("scaffold")
-                            else "another algorithm"))
-    return checks[algorithm]
-
-
-def _leaves_with_path(*trees):
-    leaves, _ = jax.tree_util.tree_flatten_with_path(trees[0])
-    others = [jax.tree.leaves(t) for t in trees[1:]]
-    for i, (path, leaf) in enumerate(leaves):
-        yield jax.tree_util.keystr(path), (leaf, *(o[i] for o in others))
+                         f"check over the network ({'; '.join(spec.exact_sums)}); use one "
+                         f"of {able}")
+    return spec.check_sums(client_lr)
 
 
 def _integer(value: float) -> bool:

@@ -194,7 +194,7 @@ def _refuse_unprotected_sums(config: Config) -> None:
     if not spec.exact_sums:
         return
     sums_check(config.algorithm, float(config.client_lr))
-    if config.robust is not None and config.algorithm.startswith("scaffold"):
+    if config.robust is not None and not spec.sums_bounded:
         raise ValueError(f"algorithm {config.algorithm!r} uploads {spec.exact_sums[0]} as an "
                          "exact sum beside the update, which the robust aggregator does not "
                          "protect (its robustness would not hold); use fedavg, fedprox or a "
