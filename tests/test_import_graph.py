@@ -9,7 +9,7 @@ import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 # Lowest first (docs/design.md, "Layers"); a layer may import only layers listed before it.
-LAYERS = ["io", "checkpoint", "federated", "data", "models", "client", "aggregators", "privacy",
+LAYERS = ["_version", "io", "checkpoint", "federated", "data", "models", "client", "aggregators", "privacy",
           "algorithms", "attacks", "hyper", "simulation", "experiments", "runtime", "reproduce",
           "cli"]
 SAME_LEVEL = [{"aggregators", "privacy"}]
@@ -46,10 +46,22 @@ def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def graph():
+def full_graph():
     files = _modules()
+    return {m: _imports(m, p, set(files)) for m, p in files.items()}
+
+
+@pytest.fixture(scope="module")
+def graph(full_graph):
     # The package root loads its layers lazily (PEP 562) and is nobody's dependency.
-    return {m: _imports(m, p, set(files)) - {"fedax"} for m, p in files.items() if m != "fedax"}
+    return {m: deps - {"fedax"} for m, deps in full_graph.items() if m != "fedax"}
+
+
+def test_nothing_runs_back_up_through_the_package_face(full_graph):
+    """No module imports ``fedax`` itself (``from fedax import __version__`` would load the
+    package face, which exports every layer, from below): each imports what it needs from
+    the module that defines it (``fedax._version``)."""
+    assert sorted(m for m, deps in full_graph.items() if "fedax" in deps and m != "fedax") == []
 
 
 def _layer(module: str) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.5.0"
+from fedax._version import __version__
 
 _SUBPACKAGES = ("aggregators", "algorithms", "client", "data", "federated", "hyper", "models",
                 "privacy", "simulation")

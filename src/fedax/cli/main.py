@@ -96,7 +96,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _version() -> str:
     try:
-        from fedax import __version__
+        from fedax._version import __version__
 
         return __version__
     except ImportError:

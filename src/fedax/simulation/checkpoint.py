@@ -119,7 +119,7 @@ def save_checkpoint(
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}.")
-    from fedax import __version__ as fedax_version
+    from fedax._version import __version__ as fedax_version
 
     final = write_file(checkpoint_path(directory, round_), {
         "version": FORMAT_VERSION,
