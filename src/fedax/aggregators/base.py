@@ -140,14 +140,22 @@ def client_stage(
 
 
 def reduce_stage(
-    aggregator: Aggregator, values: Any, weights: jax.Array, stats: Any, state: Any,
+    aggregator: Aggregator, values: Any, weights: jax.Array | None, stats: Any, state: Any,
     reduce_key: jax.Array | None, server_key: jax.Array | None, *, summed: Any = None,
+    reduced: Any = None,
 ) -> tuple[Any, Any, dict[str, jax.Array]]:
     """The reduction and server stage of ``aggregator`` after its client stage (``stats``:
     the summed client-stage stats). Returns ``(value, state, metrics)``. ``summed``: the
     values were already summed as ``weighted_terms`` (``values`` is then None), and the
-    aggregator's ``linear`` reduces that sum instead of ``reduce``."""
-    if summed is None:
+    aggregator's ``linear`` reduces that sum instead of ``reduce``. ``reduced``: the
+    reduction's value itself, computed elsewhere (a networked secure aggregation's
+    protocol); only the server stage runs."""
+    metrics: dict[str, jax.Array]
+    if reduced is not None:
+        value, metrics = reduced, {}
+    elif weights is None:
+        raise ValueError("reduce_stage needs the clients' weights, or the reduced value.")
+    elif summed is None:
         value, metrics = _reduction(aggregator)(values, weights, state, reduce_key)
     elif aggregator.linear is None:
         raise ValueError("this aggregator's reduction needs every client's value: it has no "

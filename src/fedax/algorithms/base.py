@@ -405,10 +405,33 @@ def server_half(
         server_key, summed=terms)
     if summed is None and jax.tree.leaves(sums):
         sums = fed.sum(sums)
-    server, server_metrics = pieces.server_update(state.server, value, sums)
     means = {name: fed.weighted_mean(s, counted) for name, s in stats.items()}
-    metrics = _merge(means, extra_metrics or {}, aggregator_metrics, server_metrics)
-    return RoundState(server, aggregator_state, state.clients, state.round + 1), metrics
+    return apply_aggregate(pieces, state, value, aggregator_state, sums,
+                           _merge(means, extra_metrics or {}, aggregator_metrics))
+
+
+def apply_aggregate(pieces: RoundPieces, state: RoundState, value: Any, aggregator_state: Any,
+                    sums: Any, metrics: dict[str, jax.Array]
+                    ) -> tuple[RoundState, dict[str, jax.Array]]:
+    """The end of every round, in every engine: the algorithm's ``server_update`` on the
+    aggregator's ``value`` and the summed exact ``sums``, and the next ``RoundState``;
+    ``metrics`` (the round's so far) gain the server update's."""
+    server, server_metrics = pieces.server_update(state.server, value, sums)
+    return (RoundState(server, aggregator_state, state.clients, state.round + 1),
+            _merge(metrics, server_metrics))
+
+
+def apply_reduced(pieces: RoundPieces, state: RoundState, total: Any, key: jax.Array | None
+                  ) -> tuple[RoundState, dict[str, jax.Array]]:
+    """The server's half of a round whose reduction secure aggregation computed
+    (``total``: what the aggregator's reduction gives, from the protocol's sums): the
+    aggregator's server stage with ``round_keys``' server key, as ``server_half`` runs it
+    (no per-client stats: the server sees none), then ``apply_aggregate``."""
+    _, _, server_key = round_keys(key, 1)
+    value, aggregator_state, metrics = reduce_stage(
+        pieces.aggregator, None, None, None, state.aggregator, None, server_key,
+        reduced=total)
+    return apply_aggregate(pieces, state, value, aggregator_state, None, metrics)
 
 
 def cohort_round(

@@ -23,7 +23,8 @@ a report); its replies are parsed strictly (``secagg`` rejections for bytes that
 parse, as for any refused report) and handed to ``SecAggServer``, whose own refusals are
 counted as ``secagg`` rejections too. A client that misses a deadline has dropped. Then the
 sum is split into the client stage's leaves and decoded with the n selected, and
-``secure_server_step`` makes the new state. Too few clients at any stage (fewer than t, or
+``fedax.algorithms.base.apply_reduced`` (the simulator's server stage and update) makes the
+new state. Too few clients at any stage (fewer than t, or
 fewer than ``min_reports``, checked before anything is unmasked) aborts the attempt, which
 is retried as a round with too few reports is; the server then holds masked vectors only.
 The record says ``secure_survivors``, ``secure_dropped``, ``secure_step`` (Δ, for a float
@@ -44,6 +45,7 @@ import jax
 import numpy as np
 
 from fedax.aggregators import round_keys
+from fedax.algorithms.base import apply_reduced
 from fedax.runtime import store, wire
 from fedax.runtime.rounds import OpenRound, PhaseRound
 from fedax.runtime.secagg import (
@@ -70,7 +72,7 @@ from fedax.runtime.secure_task import (
     unpack,
 )
 from fedax.runtime.server_base import ServerBase
-from fedax.runtime.task import broadcast, round_key, secure_server_step, stage_key
+from fedax.runtime.task import broadcast, round_key, stage_key
 
 log = logging.getLogger("fedax.runtime.server")
 WITHHELD = "withheld: secure aggregation (train_loss and the clients' statistics stay on them)"
@@ -226,7 +228,7 @@ class SecurePhase(ServerBase):
         if step is None:
             pieces, plan = self.pieces, self._secure_plan
             step = self._secure_steps[n] = jax.jit(lambda state, leaves, key: (
-                secure_server_step(pieces, state, plan.decode(leaves, n), key)))
+                apply_reduced(pieces, state, plan.decode(leaves, n), key)))
         state, metrics = step(self.state, self._secure_plan.split(total),
                               round_key(self._key, t))
         return state, {k: float(v) for k, v in metrics.items()}

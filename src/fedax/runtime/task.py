@@ -335,27 +335,6 @@ def server_step(pieces: RoundPieces, state: RoundState, reports: Report,
     return new_state._replace(clients=None), metrics
 
 
-def secure_server_step(pieces: RoundPieces, state: RoundState, total: Any, key: jax.Array,
-                       ) -> tuple[RoundState, dict[str, jax.Array]]:
-    """The server's half of a round whose reduction secure aggregation computed: ``total``
-    is the aggregator's reduced value (``fedax.federated.secure.decode_tree`` of the
-    protocol's modular sums, or the sums themselves for an integer ``SecureSum``), what
-    ``reduce_stage`` would have produced in the simulator; then the aggregator's server
-    stage (no per-client stats: the server sees none) with the key of ``round_keys``, and
-    the algorithm's ``server_update``."""
-    from fedax.aggregators import round_keys
-
-    _, _, server_key = round_keys(key, 1)
-    aggregator, aggregator_state = pieces.aggregator, state.aggregator
-    metrics: dict[str, jax.Array] = {}
-    if aggregator.server is not None:
-        total, aggregator_state, metrics = aggregator.server(total, None, aggregator_state,
-                                                             server_key)
-    server, server_metrics = pieces.server_update(state.server, total, None)
-    return (RoundState(server, aggregator_state, None, state.round + 1),
-            {**dict(metrics), **dict(server_metrics)})
-
-
 def broadcast(pieces: RoundPieces, state: RoundState, encoded: bool) -> dict[str, Any]:
     """What the server sends every selected client: the algorithm's payload and, for a
     task that ``encodes``, the aggregator's state (rotation's shared key)."""
