@@ -59,7 +59,7 @@ def check_pieces(algorithm: FederatedAlgorithm | RoundPieces, config: AsyncConfi
                          "(algorithm.pieces is None); use fedavg, fedprox or a FedOpt name.")
     if pieces.client_state is not None:
         raise ValueError("asynchronous simulation keeps no per-client state; use an algorithm "
-                         "without it (not scaffold).")
+                         "whose registry entry declares client_state=False.")
     if pieces.reweigh is not None:
         raise ValueError("asynchronous simulation cannot reweigh a cohort (learned client "
                          "weights need the whole cohort); drop client_weights.")
