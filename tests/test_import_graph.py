@@ -9,9 +9,9 @@ import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 # Lowest first (docs/design.md, "Layers"); a layer may import only layers listed before it.
-LAYERS = ["_version", "io", "checkpoint", "federated", "data", "models", "client", "aggregators", "privacy",
-          "algorithms", "attacks", "hyper", "simulation", "experiments", "runtime", "reproduce",
-          "cli"]
+LAYERS = ["_version", "io", "checkpoint", "federated", "data", "models", "client",
+          "aggregators", "privacy", "algorithms", "attacks", "hyper", "simulation",
+          "experiments", "runtime", "reproduce", "cli"]
 SAME_LEVEL = [{"aggregators", "privacy"}]
 
 

@@ -62,7 +62,7 @@ def registered():
 
 
 def test_own_stateful_algorithm_runs_over_the_network_as_in_the_simulator(
-        registered, pki, parts, tmp_path):
+        registered, pki, parts, tmp_path):  # noqa: F811 (test_runtime's fixtures)
     rounds = 3
     task = make_task("toy_dyn")
     server = networked(task, pki, parts, tmp_path, rounds)

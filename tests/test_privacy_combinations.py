@@ -318,8 +318,9 @@ def test_every_algorithm_with_every_private_or_secure_aggregator_uploads_only_co
     """The audit of the traced round (``fed.audit_sums``, by dataflow): with each DP or
     secure aggregator, every registered algorithm is refused in one line exactly when its
     registry declares exact sums, and otherwise every upload of more than one number a
-    client is the aggregator's DP or secure sum (the update among them); one number a client (a count, a reported
-    training statistic, the adaptive clip's noised bit) is a round metric. The aggregator's
+    client is the aggregator's DP or secure sum (the update among them); one number a
+    client (a count, a reported training statistic, the adaptive clip's noised bit) is a
+    round metric. The aggregator's
     ``private`` declaration is what the audit finds."""
     from fedax import federated as fed
 

@@ -37,12 +37,12 @@ from fedax.algorithms.base import (
     keyless,
 )
 from fedax.algorithms.fedavg import ServerState, fedavg
-from fedax.algorithms.fednova import check_sums as fednova_check_sums
+from fedax.algorithms.fednova import check_sums as _fednova_check_sums
 from fedax.algorithms.fednova import fednova, make_fednova
 from fedax.algorithms.fedprox import fedprox, proximal
 from fedax.algorithms.fedsgd import fedsgd
 from fedax.algorithms.scaffold import ScaffoldServer, scaffold
-from fedax.algorithms.scaffold import check_sums as scaffold_check_sums
+from fedax.algorithms.scaffold import check_sums as _scaffold_check_sums
 from fedax.algorithms.server_optimizers import (
     SERVER_OPTIMIZERS,
     FedAdaptiveState,
@@ -290,13 +290,13 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
     AlgorithmSpec("scaffold", _scaffold("II"), {"weighting": "uniform"},
                   doc="SCAFFOLD, Option II (Karimireddy et al. 2020)",
                   exact_sums=_SCAFFOLD_SUMS, client_state=True,
-                  check_sums=scaffold_check_sums, local_stopping=True),
+                  check_sums=_scaffold_check_sums, local_stopping=True),
     AlgorithmSpec("scaffold_option1", _scaffold("I"), {"weighting": "uniform"},
                   doc="SCAFFOLD, Option I (Karimireddy et al. 2020)",
                   exact_sums=_SCAFFOLD_SUMS, client_state=True, local_stopping=True),
     AlgorithmSpec("fednova", make_fednova, doc="FedNova, normalized averaging of local"
                   " SGD updates (Wang et al. 2020)", exact_sums=_FEDNOVA_SUMS,
-                  client_state=False, check_sums=fednova_check_sums, sums_bounded=True,
+                  client_state=False, check_sums=_fednova_check_sums, sums_bounded=True,
                   local_stopping=True),
     *(AlgorithmSpec(name, _fedavg, server_optimizer=optimizer, doc=doc, example_dp=True,
                     local_stopping=True, **_PLAIN) for name, optimizer, doc in (

@@ -91,7 +91,9 @@ class Config(_Section):
     model: Literal["2nn", "cnn", "logistic", "char_lstm"]
     # bfloat16: compute in bfloat16 with float32 master weights (fedax.models.precision)
     precision: Literal["float32", "bfloat16"] = "float32"
-    algorithm: str  # a registry name (ALGORITHMS, read when the config is validated)
+    # a name in the registry when the config is validated (fedax.algorithms.ALGORITHMS)
+    algorithm: str = Field(description="one of " + ", ".join(repr(n) for n in ALGORITHMS)
+                           + ", or a name given to fedax.algorithms.register")
     # FedProx's proximal weight (its registry default); also algorithm_options.mu
     mu: Number = Field(ALGORITHMS["fedprox"].options["mu"], ge=0, allow_inf_nan=False)
     # the algorithm's own options as its registry entry declares them (AlgorithmSpec.options:
