@@ -332,10 +332,12 @@ def test_the_learned_server_lr_over_the_network_follows_the_simulators(tmp_path)
                       rtol=1e-3, atol=5e-5)
 
 
-def test_the_async_servers_step_is_fedbuffs(tmp_path):
+@pytest.mark.parametrize("weighting", ["algorithm", "equal"])
+def test_the_async_servers_step_is_fedbuffs(tmp_path, weighting):
     """``AsyncServer``'s server step on K buffered reports with staleness τ_k equals a NumPy
-    FedBuff step: x − η Σ_k n_k s(τ_k) Δ_k / Σ_k n_k with s(τ) = (1 + τ)^(−1/2) (FedAvg's
-    weighted mean, server SGD at η = 1)."""
+    FedBuff step: x − η Σ_k w_k s(τ_k) Δ_k / Σ_k w_k with s(τ) = (1 + τ)^(−1/2) (FedAvg's
+    weighted mean, server SGD at η = 1), w_k = n_k, or 1 with ``weighting: equal`` (as the
+    simulator's ``AsyncConfig.weighting``)."""
     from fedax.runtime import Registry, ServerConfig, ServerTLS, make_dev_pki
     from fedax.runtime.async_server import AsyncServer, Buffered
     from fedax.runtime.task import Report, round_key
@@ -348,7 +350,8 @@ def test_the_async_servers_step_is_fedbuffs(tmp_path):
     task = Task(config, 4, [3], {"input_dim": 3, "num_classes": 2})
     server = AsyncServer(task, ServerConfig(rounds=2, cohort_size=3),
                          ServerTLS(pki["cert"], pki["key"]), Registry.load(pki["registry"]),
-                         buffered=Buffered(3, 4, Staleness("polynomial", 0.5)))
+                         buffered=Buffered(3, 4, Staleness("polynomial", 0.5),
+                                           weighting=weighting))
     rng = np.random.default_rng(0)
     before = {k: np.asarray(v) for k, v in server.params["dense"].items()}
     deltas = [{"dense": {k: rng.normal(size=v.shape).astype(np.float32)
@@ -363,7 +366,8 @@ def test_the_async_servers_step_is_fedbuffs(tmp_path):
                                    round_key(server._key, 0))
     s = (1.0 + taus) ** -0.5
     for k, x in before.items():
-        mean = sum(n[i] * s[i] * deltas[i]["dense"][k] for i in range(3)) / n.sum()
+        w = n if weighting == "algorithm" else np.ones(3, np.float32)
+        mean = sum(w[i] * s[i] * deltas[i]["dense"][k] for i in range(3)) / w.sum()
         np.testing.assert_allclose(np.asarray(server.pieces.server_params(
             state.server)["dense"][k]), x - mean, rtol=1e-5, atol=1e-6)
     assert float(metrics["mean_staleness_weight"]) == pytest.approx(s.mean(), rel=1e-6)

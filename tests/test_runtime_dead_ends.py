@@ -23,11 +23,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from test_runtime import make_task
+from test_runtime import client_config, make_task, run_clients, start_server
 
 from fedax.cli import runtime as runtime_commands
 from fedax.cli.main import main
 from fedax.runtime import (
+    CannotListen,
     Client,
     ClientConfig,
     ClientTLS,
@@ -39,6 +40,7 @@ from fedax.runtime import (
     make_dev_pki,
     server_status,
 )
+from fedax.runtime import server as server_module
 from fedax.runtime.connection import grpc_problem
 from fedax.runtime.security import probe, split_address
 
@@ -346,3 +348,117 @@ def test_a_lost_server_is_named_after_reconnect_s(pki):
                                           r"\(for 0.3 s\); check that the server runs"):
         Client(config, *XY)._call(gone)
     assert time.monotonic() - start < 5.0
+
+
+# ---------------------------------------------------------------- a port in use
+
+
+@pytest.mark.serial
+def test_a_second_server_on_a_port_in_use_is_refused(server, pki, monkeypatch):
+    """gRPC's SO_REUSEPORT would let a second server share the port (and split the
+    clients): fedax turns it off and refuses the second one, in one line."""
+    task = make_task(num_clients=2, input_shape=(4,))
+
+    def second():
+        return Server(task, ServerConfig(rounds=1, cohort_size=2),
+                      ServerTLS(pki["cert"], pki["key"]), Registry.load(pki["registry"]),
+                      address=f"127.0.0.1:{server}")
+
+    in_use = (f"cannot listen on 127.0.0.1:{server}: the address is in use (another server "
+              "listens there); start this one on another port (fedax server start --port) "
+              "or stop the one that listens there")
+    other = second()
+    with pytest.raises(CannotListen) as err:
+        other.start()
+    assert str(err.value) == in_use and isinstance(err.value, OSError)
+    other.stop()  # never started: nothing to stop, and no error
+    # Without the check, gRPC's own bind fails (SO_REUSEPORT is off), in one line too.
+    monkeypatch.setattr(server_module, "listen_problem", lambda address: None)
+    with pytest.raises(CannotListen, match=rf"^cannot listen on 127.0.0.1:{server}: gRPC "
+                                           r"could not bind it \(in use"):
+        second().start()
+    assert probe(f"127.0.0.1:{server}", ClientTLS(pki["ca"])) is None  # the first serves on
+
+
+@pytest.mark.serial
+def test_fedax_server_start_on_a_port_in_use_exits_2_in_one_line(server, pki, tmp_path,
+                                                                   capsys):
+    task = tmp_path / "task.json"
+    task.write_text(make_task(num_clients=2, input_shape=(4,)).to_json())
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedax.cli.main", "server", "start", "--task", str(task),
+         "--cert", pki["cert"], "--key", pki["key"], "--registry", pki["registry"],
+         "--port", str(server), "--rounds", "1", "--cohort-size", "2"],
+        capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"fedax: error: cannot listen on 127.0.0.1:{server}: the address is in use (another "
+        "server listens there); start this one on another port (fedax server start --port) "
+        "or stop the one that listens there"], proc.stderr
+    assert time.monotonic() - start < 60.0
+    # --config too (in this process: the same one line, status 2).
+    setup = tmp_path / "setup"
+    assert main(["server", "init", str(setup), "--clients", "2", "--set", "rounds=1"]) == 0
+    capsys.readouterr()
+    assert main(["server", "start", "--config", str(setup / "config.yaml"), "--port",
+                 str(server), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"fedax: error: cannot listen on 127.0.0.1:{server}: the "
+                              "address is in use"), err
+    assert not any("Traceback" in line for line in err), err
+
+
+# ---------------------------------------------------------------- waiting for clients
+
+
+@pytest.mark.serial
+def test_the_server_says_what_it_waits_for(tmp_path, caplog, monkeypatch):
+    """With 2 of 3 clients up the server logs who is missing and what it needs (and not
+    a line per poll); when a round closes short of --min-reports it names the selected
+    clients that did not report."""
+    pki3 = make_dev_pki(tmp_path / "pki", num_clients=3)
+    monkeypatch.setattr(Server, "_waiting_change_s", 0.2)
+    caplog.set_level(logging.INFO, logger="fedax.runtime.server")
+    task = make_task(num_clients=3, input_shape=(4,))
+    xy = [(np.ones((8, 4), np.float32), np.arange(8, dtype=np.int32) % 5)] * 3
+
+    def lines(start, having=""):
+        return [m for m in (r.getMessage() for r in caplog.records
+                            if r.name == "fedax.runtime.server")
+                if m.startswith(start) and having in m]
+
+    def wait_for(start, timeout, having=""):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if lines(start, having):
+                return lines(start, having)
+            time.sleep(0.05)
+        raise AssertionError(f"no {start!r} line in {timeout} s: {caplog.text}")
+
+    server, port = start_server(task, pki3, rounds=1, cohort_size=3, min_reports=3,
+                                deadline_s=4.0)
+    threads = []
+    try:
+        threads, _ = run_clients([client_config(pki3, port, k, reconnect_s=1.0)
+                                  for k in range(2)], xy)
+        waiting = wait_for("waiting: 2 of 3 alive", 30.0)
+        assert waiting[0] == ("waiting: 2 of 3 alive, need 3 (--min-clients); not alive: "
+                              "client 2"), waiting
+        time.sleep(1.0)  # nothing changes: no more lines (the next in 30 s)
+        assert len(lines("waiting: 2 of 3")) == 1, lines("waiting:")
+        assert len(lines("waiting:")) <= 3, lines("waiting:")
+        # Client 2 comes up, takes the round's task and reports only after the deadline.
+        more, _ = run_clients([client_config(pki3, port, 2, reconnect_s=1.0,
+                                             delay_s=8.0)], xy)
+        threads += more
+        short = wait_for("round 0 attempt 0: ", 60.0, having=" selected reported")
+        assert any(re.fullmatch(r"round 0 attempt 0: [0-2] of 3 selected reported, need 3 "
+                                r"\(--min-reports\); missing: clients? [0-9, ]*\b2; retrying",
+                                line) for line in short), short
+    finally:
+        server.stop()
+    end = time.monotonic() + 30.0
+    for th in threads:
+        th.join(max(end - time.monotonic(), 0.0))
+    assert not any(th.is_alive() for th in threads), "a client did not stop by itself"

@@ -22,7 +22,9 @@ from fedax.io import finite_json, json_text, write_atomic
 def _one_line(command):
     """A bad setting or a refused token ends the command with one line naming the fix
     (``fedax: error: ...``, status 2), a server that cannot be reached with ``fedax: error:
-    cannot connect to HOST:PORT: <cause>; <what to do>`` (status 1), not a traceback."""
+    cannot connect to HOST:PORT: <cause>; <what to do>`` (status 1), a server address that
+    cannot be listened on (a port in use) with ``fedax: error: cannot listen on HOST:PORT:
+    <cause>; <what to do>`` (status 2), not a traceback."""
 
     @functools.wraps(command)
     def wrapped(args) -> int:
@@ -30,6 +32,11 @@ def _one_line(command):
             return command(args)
         except ConnectionError as err:
             raise CommandError(str(err)) from err
+        except OSError as err:
+            server = sys.modules.get("fedax.runtime.server")  # not loaded: not its error
+            if server is not None and isinstance(err, server.CannotListen):
+                raise ConfigError(str(err)) from err
+            raise
         except (ValueError, PermissionError) as err:
             if isinstance(err, ConfigError):
                 raise

@@ -99,17 +99,17 @@ class Cohort(NamedTuple):
     num_examples: np.ndarray
 
 
-def _is_full_batch(batch_size) -> bool:
-    """True for B = inf (``None`` or ``math.inf``); validates a finite batch size."""
+def _finite_batch(batch_size) -> int | None:
+    """None for B = inf (``None`` or ``math.inf``), else the validated finite batch size."""
     if batch_size is None or (isinstance(batch_size, float) and batch_size == math.inf):
-        return True
+        return None
     if (
         isinstance(batch_size, bool)
         or not isinstance(batch_size, numbers.Integral)
         or batch_size < 1
     ):
         raise ValueError(f"batch_size must be a positive int, None or math.inf; got {batch_size!r}")
-    return False
+    return int(batch_size)
 
 
 def _check_positive_int(value, name: str) -> int:
@@ -145,9 +145,10 @@ def num_local_steps(n_k: int, epochs: int, batch_size: int | float | None) -> in
     epochs = _check_positive_int(epochs, "epochs")
     if n_k < 0:
         raise ValueError(f"n_k must be >= 0, got {n_k}")
-    if _is_full_batch(batch_size):
+    finite = _finite_batch(batch_size)
+    if finite is None:
         return epochs * int(n_k > 0)
-    return epochs * -(-int(n_k) // int(batch_size))
+    return epochs * -(-int(n_k) // finite)
 
 
 def bucket_size(n: int) -> int:
@@ -214,7 +215,7 @@ def make_cohort(
       ValueError: Bad E, B, client ids, or a ``num_steps``/``full_batch_size`` too small.
     """
     rng = np.random.default_rng(seed_or_rng)
-    full = _is_full_batch(batch_size)
+    finite = _finite_batch(batch_size)
     ids = np.asarray(client_ids)
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"client_ids must be a non-empty 1-D int array, got {ids!r}")
@@ -225,7 +226,7 @@ def make_cohort(
         raise ValueError("too many examples for int32 indices")
     sizes = data.sizes[ids]
 
-    if full:
+    if finite is None:
         batch = max(int(sizes.max()), 1)
         if full_batch_size is not None:
             if _check_positive_int(full_batch_size, "full_batch_size") < batch:
@@ -235,7 +236,7 @@ def make_cohort(
     else:
         if full_batch_size is not None:
             raise ValueError("full_batch_size applies only to batch_size None / math.inf")
-        batch = int(batch_size)
+        batch = finite
         steps_per_epoch = -(-sizes // batch)
 
     needed = max(int((epochs * steps_per_epoch).max()), 1)

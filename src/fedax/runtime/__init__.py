@@ -24,7 +24,8 @@ _NAMES = {  # name -> the module that defines it; loaded on first use (PEP 562),
     "server_status": "connection",
     "ClientTLS": "security", "Registry": "security", "ServerTLS": "security",
     "make_dev_pki": "security", "read_token": "security",
-    "RoundFailed": "rounds", "Server": "server", "ServerConfig": "config",
+    "RoundFailed": "rounds", "Server": "server", "CannotListen": "server",
+    "ServerConfig": "config",
     "Task": "task", "build": "task",
 }
 
@@ -38,6 +39,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "CannotListen",
     "Client",
     "ClientConfig",
     "ClientTLS",

@@ -43,18 +43,24 @@ log = logging.getLogger("fedax.runtime.server")
 @dataclasses.dataclass(frozen=True)
 class Buffered:
     """FedBuff's settings: K = ``buffer_size`` reports a server step, M = ``concurrency``
-    trips in flight, the staleness weighting ``staleness`` (a ``Staleness``) and the
-    largest staleness kept (None: all)."""
+    trips in flight, the staleness weighting ``staleness`` (a ``Staleness``), the
+    largest staleness kept (None: all) and ``weighting``, as the simulator's
+    ``AsyncConfig.weighting``: ``algorithm`` (the report's weight, FedAvg's n_k) or
+    ``equal`` (1 per report with examples)."""
 
     buffer_size: int
     concurrency: int
     staleness: Any
     max_staleness: int | None = None
+    weighting: str = "algorithm"
 
     def __post_init__(self):
         if not 1 <= self.buffer_size <= self.concurrency:
             raise ValueError(f"need 1 <= buffer_size ({self.buffer_size}) <= concurrency "
                              f"({self.concurrency})")
+        if self.weighting not in ("algorithm", "equal"):
+            raise ValueError(f"weighting {self.weighting!r} is not one of "
+                             "('algorithm', 'equal')")
 
 
 @dataclasses.dataclass
@@ -86,6 +92,10 @@ class AsyncServer(Server):
         if self._secure is not None:
             raise ValueError("secure aggregation sums one cohort's updates; not with an "
                              "asynchronous server (use the synchronous one)")
+        if buffered.weighting == "equal" and self._encodes:
+            raise ValueError("weighting 'equal' reweighs a report before the aggregator's "
+                             "client stage, which these clients run; not with an "
+                             "asynchronous server")
         self.buffered = buffered
         self._trips: dict[int, Trip] = {}
         self._buffer: list[tuple[int, Any, int]] = []  # (client, report, staleness)
@@ -161,6 +171,8 @@ class AsyncServer(Server):
     def _flush_fn(self, state, reports, taus, keys, key):
         pieces = self.pieces
         weights, stats = reports.weight, None
+        if self.buffered.weighting == "equal":  # as the simulator: 1 per real update
+            weights = (reports.num_examples > 0).astype(jnp.float32)
         values = reports.update
         if self._encodes:  # the clients encoded; their stage stats come with the reports
             stats = jax.tree.map(lambda s: s.sum(0), reports.stage_stats) or None

@@ -122,7 +122,7 @@ class HoldoutPhase(ServerBase):
         them); returns their reports in client-id order once every one has reported."""
         need = count or 1
         for attempt in range(self.config.max_attempts):
-            alive = self._wait_alive(need)
+            alive = self._wait_alive(need, f"the {phase} phase's clients")
             if alive is None:
                 raise RoundFailed(f"the server stopped during round {t}'s {phase} phase")
             words = ([self._simulator_seed] if self._simulator_seed is not None

@@ -176,7 +176,7 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
         a, m = config.asynchronous, cohort_size(config, train.num_clients)
         server_class, extra = AsyncServer, {"buffered": Buffered(
             a.buffer_size or m, a.concurrency or m, Staleness(**a.staleness.model_dump()),
-            a.max_staleness)}
+            a.max_staleness, a.weighting)}
         if net.local_clients:  # trips start once every client is up
             extra["start_with"] = train.num_clients
 

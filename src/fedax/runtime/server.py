@@ -8,7 +8,8 @@ deployment runtime):
    ``default_rng([seed, t, a])`` (over-selection: more than needed, so that drop-outs do
    not stall the round) and opens the round: each selected client gets, on its next
    ``Poll``, the payload, the round id ``(t, a)``, the model version (a hash of the
-   payload) and a single-use nonce.
+   payload) and a single-use nonce. While fewer are alive, the server logs ``waiting: A
+   of N alive, need M (--min-clients)`` and who is not alive.
 2. **Reporting.** Each ``Submit`` is checked before it can touch an aggregate. Before its
    body is read (``fedax.runtime.gate``, the call's metadata): the caller is a registered
    client with its token, selected for the open round, whose round, attempt, model
@@ -45,10 +46,12 @@ the report checks are ``fedax.runtime.server_rpcs``; the checkpoints and the rou
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import logging
 import os
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -67,7 +70,7 @@ from fedax.runtime.gate import Gate, RateLimitedLog, Rejections
 from fedax.runtime.holdout_phase import HoldoutPhase
 from fedax.runtime.rounds import OpenRound, RoundFailed, finite, select, selection_words
 from fedax.runtime.secure_phase import SecurePhase
-from fedax.runtime.security import Registry, ServerTLS
+from fedax.runtime.security import Registry, ServerTLS, split_address
 from fedax.runtime.server_checkpoint import CHECKPOINT, ROUND_LOG, ServerCheckpoints
 from fedax.runtime.server_rpcs import ServerRPCs
 from fedax.runtime.task import (
@@ -85,7 +88,54 @@ from fedax.runtime.task import (
 )
 
 log = logging.getLogger("fedax.runtime.server")
-__all__ = ["CHECKPOINT", "ROUND_LOG", "Server"]
+__all__ = ["CHECKPOINT", "ROUND_LOG", "CannotListen", "Server"]
+
+
+class CannotListen(OSError):
+    """``Server.start`` could not bind its address (e.g. another server listens there);
+    the message is one line naming the address and what to do."""
+
+
+IN_USE = ("the address is in use (another server listens there); start this one on another "
+          "port (fedax server start --port) or stop the one that listens there")
+
+
+def listen_problem(address: str) -> str | None:
+    """Why ``address`` (``host:port``) cannot be listened on and what to do, or None: a
+    plain socket binds it first, so that a port in use is refused in one line rather than
+    in gRPC's C-core log (gRPC's own failed bind is the fallback). Port 0 and addresses
+    that are not a plain ``host:port`` are left to gRPC."""
+    parsed = split_address(address)
+    if parsed is None or parsed[1] == 0:
+        return None
+    host, port = parsed
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except OSError as err:
+        return (f"unknown host {host!r} ({err.strerror or err}); listen on a name or IP "
+                "of this machine (--host)")
+    for family, kind, proto, _, where in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(where)
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    return IN_USE
+                if err.errno == errno.EACCES:
+                    return (f"permission denied (port {port} needs privileges); choose a "
+                            "port above 1023 (--port)")
+    return None
+
+
+def _not_alive(ids: list[int], what: str, shown: int = 10) -> str:
+    """``; what: client 3, 7`` (the first ``shown`` ids, then how many more); "" for none."""
+    if not ids:
+        return ""
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    word = "client" if len(ids) == 1 else "clients"
+    return f"; {what}: {word} {', '.join(map(str, ids[:shown]))}{more}"
 
 
 class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
@@ -175,27 +225,42 @@ class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> int:
-        """Serve (TLS only) and start the rounds; returns the bound port."""
+        """Serve (TLS only) and start the rounds; returns the bound port. An address that
+        cannot be bound (a port another server listens on: gRPC's ``SO_REUSEPORT`` is off,
+        so it is not shared) raises ``CannotListen`` with one line."""
         cfg = self.config
         self._gate = Gate(self.registry, {"Join": (self._rpc_join, True),
                                           "Poll": (self._rpc_poll, True),
                                           "Submit": (self._rpc_submit, True),
                                           "Status": (self._rpc_status, False)},
                           per_client=cfg.per_client_calls, refusals=self._refusals)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers),
-                             handlers=(self._gate,),
-                             options=wire.server_grpc_options(cfg.chunk_bytes),
-                             maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
-        port = server.add_secure_port(self.address, self.tls.credentials())
-        if port == 0:
-            raise OSError(f"cannot listen on {self.address}; choose a free host:port")
+        problem = listen_problem(self.address)
+        if problem is None:
+            # SO_REUSEPORT off: a second server on a port in use fails to bind instead of
+            # sharing the port (and the clients) with the first
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers),
+                                 handlers=(self._gate,),
+                                 options=[*wire.server_grpc_options(cfg.chunk_bytes),
+                                          ("grpc.so_reuseport", 0)],
+                                 maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
+            try:
+                port = server.add_secure_port(self.address, self.tls.credentials())
+            except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
+                port = 0
+            if port == 0:
+                server.stop(None)
+                problem = ("gRPC could not bind it (in use, or not an address of this "
+                           "machine); choose another --host or --port, or stop the server "
+                           "that listens there")
+        if problem is not None:
+            raise CannotListen(f"cannot listen on {self.address}: {problem}")
         server.start()
         self._grpc, self.port = server, port
+        log.info("serving on port %d (TLS), %d rounds from round %d", port,
+                 cfg.rounds, self.rounds_done)
         self._thread = threading.Thread(target=self._run_rounds, name="fedax-rounds",
                                         daemon=True)
         self._thread.start()
-        log.info("serving on port %d (TLS), %d rounds from round %d", port,
-                 cfg.rounds, self.rounds_done)
         return port
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -253,13 +318,30 @@ class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
         return self._publish(t, attempt, selected, store.raw(sent), sent["payload"], keys,
                              own=own)
 
-    def _wait_alive(self, need: int) -> list[int] | None:
-        """The alive clients once there are ``need`` (None: the server stopped)."""
+    # While a round waits for clients: a "waiting: ..." line when who is alive changes (at
+    # most one per _waiting_change_s) and again every _waiting_repeat_s while nothing does.
+    _waiting_change_s = 2.0
+    _waiting_repeat_s = 30.0
+
+    def _wait_alive(self, need: int, flag: str = "--min-clients") -> list[int] | None:
+        """The alive clients once there are ``need`` (None: the server stopped); meanwhile
+        ``waiting: A of N alive, need M (flag); not alive: client ...`` is logged (see
+        ``_waiting_change_s``), N the population and the clients seen since the start."""
+        shown: list[int] | None = None
+        last = -float("inf")
         with self._lock:
             while not self._stop.is_set():
                 alive = self._alive()
                 if len(alive) >= need:
                     return alive
+                now = time.monotonic()
+                if ((alive != shown and now - last >= self._waiting_change_s)
+                        or now - last >= self._waiting_repeat_s):
+                    shown, last = alive, now
+                    known = set(range(self.task.num_clients)) | set(self.last_seen)
+                    log.info("waiting: %d of %d alive, need %d (%s)%s", len(alive),
+                             len(known), need, flag,
+                             _not_alive(sorted(known - set(alive)), "not alive"))
                 self._lock.wait(self.config.poll_interval_s)
         return None
 
@@ -359,6 +441,12 @@ class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
                 plain = self._close(r)
                 record, accepted = plain["record"], plain["accepted"]
                 result = self._aggregate(r, accepted) if len(accepted) >= need else None
+                if result is None and not self._stop.is_set():
+                    silent = sorted(set(r.selected) - set(accepted) - set(r.rejected))
+                    log.info("round %d attempt %d: %d of %d selected reported, need %d "
+                             "(--min-reports)%s%s; retrying", t, attempt, len(accepted),
+                             len(r.selected), need, _not_alive(silent, "missing"),
+                             _not_alive(sorted(r.rejected), "refused"))
             if result is not None:
                 state, metrics = result
                 if finite(state):

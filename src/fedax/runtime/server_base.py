@@ -72,7 +72,8 @@ class ServerBase:
 
         def _alive(self) -> list[int]: ...
 
-        def _wait_alive(self, need: int) -> list[int] | None: ...
+        def _wait_alive(self, need: int,
+                        flag: str = "--min-clients") -> list[int] | None: ...
 
         def _publish(self, t: int, attempt: int, selected: list[int], sent: Any,
                      payload: Any, keys: Any, phase: str = "train",
