@@ -56,11 +56,8 @@ def final_params(out: Path) -> dict[str, np.ndarray]:
 
 
 def run(sets: list[str], out: Path) -> list[dict]:
-    config = load_config(CONFIG, sets)
-    if config.execution.mode == "network":
-        run_network(config, out, progress=False)
-    else:
-        run_experiment(config, out, progress=False, tensorboard=False)
+    """Every engine through the one entry point (``execution.mode`` picks it)."""
+    run_experiment(load_config(CONFIG, sets), out, progress=False, tensorboard=False)
     return records(out)
 
 
@@ -93,6 +90,8 @@ def test_one_dp_config_in_all_three_engines(tmp_path):
     assert_same_model(final_params(tmp_path / "sync"), final_params(tmp_path / "network"))
     summary = json.loads((tmp_path / "network" / "summary.json").read_text())
     assert summary["execution"]["mode"] == "network"
+    assert [json.loads((tmp_path / d / "summary.json").read_text())["engine"]
+            for d in ("sync", "async", "network")] == ["sync", "async", "network"]
     assert summary["privacy"]["epsilon"] == pytest.approx(sync[-1]["epsilon"])
     # the server's sampling event: m = 10 of the N = 100 registered clients without
     # replacement each round, which `fedax privacy epsilon --population 100` accounts

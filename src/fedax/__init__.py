@@ -4,7 +4,9 @@ The layers are subpackages (``fedax.federated``, ``fedax.data``, ``fedax.models`
 ``fedax.client``, ``fedax.aggregators``, ``fedax.privacy``, ``fedax.algorithms``,
 ``fedax.hyper``, ``fedax.simulation``); the most used
 names are also here: ``fedavg``, ``fedsgd``, ``fedprox``, ``scaffold``, ``get_model``,
-``ClientData``, ``make_cohort``, ``cohort_batches`` and ``run`` (the simulation runner).
+``ClientData``, ``make_cohort``, ``cohort_batches``, ``run`` (the simulation runner) and
+``run_experiment`` (the one entry point for a config, every ``execution.mode``:
+``fedax.run_experiment(fedax.experiments.load_config("cfg.yaml"), "runs/x")``).
 
 All of them load on first use (PEP 562 ``__getattr__``): ``import fedax`` imports neither
 JAX nor the layers, ``import fedax.data`` does not pull in the simulation, and this module
@@ -18,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from fedax._version import __version__
 
-_SUBPACKAGES = ("aggregators", "algorithms", "client", "data", "federated", "hyper", "models",
-                "privacy", "simulation")
+_SUBPACKAGES = ("aggregators", "algorithms", "client", "data", "experiments", "federated",
+                "hyper", "models", "privacy", "simulation")
 _NAMES = {  # name -> the subpackage that defines it
     "ClientData": "data",
     "cohort_batches": "simulation",
@@ -29,6 +31,7 @@ _NAMES = {  # name -> the subpackage that defines it
     "get_model": "models",
     "make_cohort": "data",
     "run": "simulation",
+    "run_experiment": "experiments",
     "scaffold": "algorithms",
 }
 
@@ -38,6 +41,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
         algorithms,
         client,
         data,
+        experiments,
         federated,
         hyper,
         models,
@@ -46,6 +50,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     )
     from fedax.algorithms import fedavg, fedprox, fedsgd, scaffold
     from fedax.data import ClientData, make_cohort
+    from fedax.experiments import run_experiment
     from fedax.models import get_model
     from fedax.simulation import cohort_batches, run
 
@@ -58,6 +63,7 @@ __all__ = [
     "client",
     "cohort_batches",
     "data",
+    "experiments",
     "federated",
     "fedavg",
     "fedprox",
@@ -67,6 +73,7 @@ __all__ = [
     "make_cohort",
     "models",
     "run",
+    "run_experiment",
     "scaffold",
     "simulation",
 ]

@@ -4,7 +4,6 @@ the network engine; a failure is one line saying what to do next."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -23,20 +22,18 @@ from fedax.cli.run_dirs import (
 from fedax.experiments.errors import CommandError
 
 
-def _run_network(args, config, out, name):
-    """``execution.mode: network``: a server and ``network.local_clients`` client
-    processes on this machine (``fedax.runtime.launch``); a refused setting or a failed
-    round is one line."""
+def _run_network(args, config, out, name, run_experiment):
+    """``execution.mode: network`` (``run_experiment`` starts a server and
+    ``network.local_clients`` client processes on this machine, ``fedax.runtime.launch``);
+    a refused setting or a failed round is one line."""
     if args.num_processes and args.num_processes > 1:
         raise CommandError("--num-processes is the simulator's; with execution.mode network "
                            "the clients are processes already (network.local_clients)", 2)
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    from fedax.runtime.launch import run_network
     from fedax.runtime.rounds import RoundFailed
 
     try:
-        return run_network(config, out, progress=not args.no_progress, resume=args.resume,
-                           title=name)
+        return run_experiment(config, out, progress=not args.no_progress,
+                              resume=args.resume, title=name)
     except (ValueError, PermissionError, RoundFailed) as err:
         raise CommandError(f"execution.mode network: {one_line(err)}", 2) from err
 
@@ -63,7 +60,7 @@ def cmd_run(args) -> int:
     since = time.time()
     try:
         if config.execution.mode == "network":
-            summary = _run_network(args, config, out, name)
+            summary = _run_network(args, config, out, name, run_experiment)
         else:
             summary = run_experiment(config, out, progress=not args.no_progress,
                                      resume=args.resume, title=name)

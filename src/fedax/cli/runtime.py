@@ -13,7 +13,7 @@ import secrets
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from fedax.experiments.errors import CommandError, ConfigError
 from fedax.io import finite_json, json_text, write_atomic
@@ -32,15 +32,15 @@ def _one_line(command):
             return command(args)
         except ConnectionError as err:
             raise CommandError(str(err)) from err
+        except (ValueError, PermissionError) as err:  # (PermissionError is an OSError)
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError(str(err)) from err
         except OSError as err:
             server = sys.modules.get("fedax.runtime.server")  # not loaded: not its error
             if server is not None and isinstance(err, server.CannotListen):
                 raise ConfigError(str(err)) from err
             raise
-        except (ValueError, PermissionError) as err:
-            if isinstance(err, ConfigError):
-                raise
-            raise ConfigError(str(err)) from err
 
     return wrapped
 
@@ -334,6 +334,10 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
+@overload
+def _per_client(template: str, k: int, several: bool, option: str) -> str: ...
+@overload
+def _per_client(template: None, k: int, several: bool, option: str) -> None: ...
 def _per_client(template: str | None, k: int, several: bool, option: str) -> str | None:
     if template is None:
         return None

@@ -15,19 +15,13 @@ summary) ``"status": "diverged"``; other records say ``"status": "ok"``.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 from fedax.experiments.build import build, param_count
-from fedax.experiments.config import (
-    Config,
-    check_against_data,
-    config_to_dict,
-    resolved_server_optimizer,
-)
+from fedax.experiments.config import Config, check_against_data
 from fedax.experiments.datasets import build_data
 from fedax.experiments.features import (
     TALLIED,
@@ -36,17 +30,11 @@ from fedax.experiments.features import (
     feature_summaries,
     with_backdoor,
 )
-from fedax.experiments.outputs import JsonlWriter, with_status, write_outputs
+from fedax.experiments.outputs import JsonlWriter, write_outputs
 from fedax.experiments.privacy_plan import PrivacyPlan, cohort_size, privacy_plan
 from fedax.experiments.resume import _fingerprint, resume_schedule
-from fedax.simulation import (
-    Execution,
-    History,
-    choose_execution,
-    make_evaluator,
-    rounds_to_target,
-    run,
-)
+from fedax.experiments.summary import summarize
+from fedax.simulation import Execution, choose_execution, make_evaluator, run
 from fedax.simulation.evaluation import make_client_evaluator
 from fedax.simulation.host import cpu_dots_for, cpu_has_bf16, preferred_cpu_dots
 from fedax.simulation.sources import HoldoutSource, PartitionSource
@@ -88,7 +76,16 @@ def run_experiment(
     directory's earlier outputs at its first evaluation. A run that diverges still writes
     its summary (``"status": "diverged"``) and plot, then raises its ``FloatingPointError``.
     ``label`` names the curve (default: the algorithm), ``title`` the plot (default:
-    ``label`` or the directory's name)."""
+    ``label`` or the directory's name).
+
+    Every ``execution.mode`` runs from here: ``sync`` and ``async`` in this process (the
+    simulator), ``network`` on a gRPC server with ``network.local_clients`` client
+    processes on this machine (``fedax.runtime.launch.run_network``; with none, the server
+    waits for clients started elsewhere). ``summary.json``'s ``engine`` names the one that
+    ran."""
+    if config.execution.mode == "network":
+        return _run_network(config, out_dir, progress=progress, label=label, resume=resume,
+                            title=title)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = build_data(config)
@@ -237,61 +234,12 @@ def _run_async(config: Config, algorithm, params, source, evaluate, execution, c
                      max_rejected_fraction=config.max_rejected_fraction)
 
 
-def summarize(config: Config, records: list[dict[str, Any]], wall: float,
-              execution: Execution | dict[str, Any],
-              resumed_from: int | None = None, plan: PrivacyPlan | None = None
-              ) -> dict[str, Any]:
-    """The ``summary.json`` of a run with these evaluation records (possibly none)."""
-    history = History([r for r in records if isinstance(r.get("test_accuracy"), (int, float))
-                       and math.isfinite(r["test_accuracy"])])
-    accs = history.column("test_accuracy")
-    target = config.target_accuracy
-    reached = history.rounds_to_target(target) if target is not None and accs else None
-    per_client = {}
-    worst = [r for r in history.records if isinstance(r.get("client_accuracy_worst10"), float)]
-    if worst:  # per_client_eval: the target read on the worst decile's curve too
-        worst_reached = None if target is None else rounds_to_target(
-            [r["round"] for r in worst], [r["client_accuracy_worst10"] for r in worst], target)
-        per_client = {
-            "final_client_accuracy": {k: v for k, v in worst[-1].items()
-                                      if k.startswith("client_accuracy")},
-            "rounds_to_target_worst10": None if worst_reached is None
-                                        else round(worst_reached, 1)}
-    rounds_run = records[-1]["round"] if records else 0
-    status = "diverged" if any(with_status(r)["status"] == "diverged" for r in records) \
-        else "ok"
-    stop = None if plan is None else plan.budget_line(config, rounds_run)
-    if stop is not None and status == "ok":
-        status = "stopped_by_budget"
-    return {
-        "config": config_to_dict(config),
-        "seed": config.seed,
-        # "ok", "diverged", or "stopped_by_budget" (privacy.target_epsilon ended the run
-        # before config.rounds; stop_reason says when and why)
-        "status": status,
-        "stop_reason": stop,
-        "rounds_run": rounds_run,
-        "final_test_accuracy": records[-1]["test_accuracy"] if records else None,
-        "best_test_accuracy": max(accs) if accs else None,
-        "target_accuracy": target,
-        "rounds_to_target": None if reached is None else round(reached, 1),
-        "wall_time_s": round(wall, 2),
-        "execution": execution._asdict() if hasattr(execution, "_asdict") else execution,
-        # name, every hyperparameter, which are defaults (not in the config), the paper
-        "server_optimizer": _server_summary(config),
-        # the last record: every metric of the last evaluated round (the algorithm's and its
-        # aggregator's, a learned η)
-        "last_record": records[-1] if records else None,
-        "resumed_from_round": resumed_from,
-        # ε spent by the rounds run, z, q, the accountant and sampling it assumes
-        "privacy": None if plan is None else plan.summary(
-            config, rounds_run, records[-1] if records else None),
-        **per_client,
-    }
+def _run_network(config: Config, out_dir: str | Path, **options) -> dict[str, Any]:
+    """``execution.mode: network``: the runtime's server and local client processes (it
+    writes the same outputs; TensorBoard files are the simulator's alone)."""
+    import os
 
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC's C core logs to stderr
+    from fedax.runtime.launch import run_network
 
-def _server_summary(config: Config) -> dict[str, Any]:
-    summary = resolved_server_optimizer(config).as_dict()
-    if config.server.lr == "learned":  # lr is the initial η; the records hold each round's
-        summary["learned_lr"] = config.learned_lr.model_dump()
-    return summary
+    return run_network(config, out_dir, **options)

@@ -35,6 +35,7 @@ from fedax.experiments.datasets import FederatedData, build_data
 from fedax.experiments.errors import CommandError
 from fedax.experiments.outputs import JsonlWriter, write_outputs
 from fedax.experiments.privacy_plan import cohort_size, privacy_plan
+from fedax.experiments.summary import summarize
 from fedax.io import write_json
 from fedax.runtime.config import ServerConfig
 from fedax.runtime.security import Registry, ServerTLS, make_dev_pki
@@ -148,7 +149,6 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
     import jax
 
     from fedax.experiments.build import param_count
-    from fedax.experiments.run import summarize
     from fedax.models import get_model, with_precision
     from fedax.simulation import make_evaluator
 
