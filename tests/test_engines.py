@@ -47,8 +47,9 @@ def final_params(out: Path) -> dict[str, np.ndarray]:
     files = sorted((out / "checkpoints").glob("*.msgpack"), key=lambda p: p.stat().st_mtime)
     leaves = read_file(files[-1])["state"]
     params = {}
-    for leaf in leaves:  # a learned η's simulator state nests the round's in .inner
-        path = leaf["path"].removeprefix(".inner")
+    for leaf in leaves:  # a learned η's simulator state nests the round's in .inner, and
+        # the asynchronous simulator's holds it in ['state'] beside its clock's ['host']
+        path = leaf["path"].removeprefix("['state']").removeprefix(".inner")
         if path.startswith(".server.params"):
             params[path] = np.frombuffer(leaf["data"], np.dtype(leaf["dtype"])).reshape(
                 leaf["shape"])
@@ -361,7 +362,7 @@ def test_the_async_servers_step_is_fedbuffs(tmp_path, weighting):
                                 for k in before}},
                      n, {"train_loss": np.zeros(3, np.float32)}, (), n, {})
     keys = np.zeros((3, 2), np.uint32)
-    state, metrics = server._flush(server.state, reports, taus, keys,
+    state, metrics = server._flush(server.state, reports, taus, (), keys,
                                    round_key(server._key, 0))
     s = (1.0 + taus) ** -0.5
     for k, x in before.items():
@@ -370,6 +371,114 @@ def test_the_async_servers_step_is_fedbuffs(tmp_path, weighting):
         np.testing.assert_allclose(np.asarray(server.pieces.server_params(
             state.server)["dense"][k]), x - mean, rtol=1e-5, atol=1e-6)
     assert float(metrics["mean_staleness_weight"]) == pytest.approx(s.mean(), rel=1e-6)
+
+
+def test_the_async_server_stages_each_report_with_its_downloaded_version(tmp_path):
+    """A stateful client stage (the adaptive clip, z = 0) runs on each buffered report with
+    the aggregator state of the version its client downloaded, as the simulator runs it
+    where the update is computed, not with the state at the flush: three reports that
+    downloaded clips 0.5, 0.2 and 1.0 give Σ_k clip(Δ_k, C_k) / m (m = 4, DP-FedAvg's
+    fixed denominator), not the current clip's."""
+    from fedax.aggregators.adaptive_clipping import QuantileClipState
+    from fedax.runtime import Registry, ServerConfig, ServerTLS, make_dev_pki
+    from fedax.runtime.async_server import AsyncServer, Buffered
+    from fedax.runtime.task import Report, round_key
+    from fedax.simulation.asynchronous import Staleness
+
+    pki = make_dev_pki(tmp_path, 4)
+    config = {"seed": 1, "rounds": 2, "dataset": "synthetic", "model": "logistic",
+              "algorithm": "fedavg", "client_fraction": 1.0, "local_epochs": 1,
+              "batch_size": 10, "client_lr": 0.1, "num_clients": 4,
+              "privacy": {"level": "user", "mechanism": "adaptive", "noise_multiplier": 0.0,
+                          "clip": 0.5, "delta": 1e-5}}
+    task = Task(config, 4, [3], {"input_dim": 3, "num_classes": 2})
+    server = AsyncServer(task, ServerConfig(rounds=2, cohort_size=3),
+                         ServerTLS(pki["cert"], pki["key"]), Registry.load(pki["registry"]),
+                         buffered=Buffered(3, 4, Staleness("constant")))
+    assert float(server.state.aggregator.clip) == 0.5  # the current version's clip
+    rng = np.random.default_rng(0)
+    before = {k: np.asarray(v) for k, v in server.params["dense"].items()}
+    deltas = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in before.items()}
+              for _ in range(3)]
+    n = np.array([5.0, 10.0, 20.0], np.float32)
+    reports = Report({"dense": {k: np.stack([d[k] for d in deltas]) for k in before}}, n,
+                     {"train_loss": np.zeros(3, np.float32)}, (), n, {})
+    clips = np.array([0.5, 0.2, 1.0], np.float32)
+    norms = [np.sqrt(sum(float((d[k].astype(np.float64) ** 2).sum()) for k in d))
+             for d in deltas]
+    assert min(norms) > 1.0  # every report is clipped, each by its own C_k
+    state, _ = server._flush(server.state, reports, np.zeros(3, np.int32),
+                             QuantileClipState(clips), np.zeros((3, 2), np.uint32),
+                             round_key(server._key, 0))
+    for k, x in before.items():
+        expected = sum(deltas[i][k] * min(1.0, clips[i] / norms[i]) for i in range(3)) / 4
+        np.testing.assert_allclose(np.asarray(server.pieces.server_params(
+            state.server)["dense"][k]), x - expected, rtol=1e-5, atol=1e-6)
+
+
+def _one_version_config(weighting: str):
+    """FedBuff with K = M = N = 6 synthetic clients (unequal n_k), one full-batch step each
+    (no training key matters), constant staleness, one server step."""
+    from fedax.experiments.config import validate_config
+
+    return validate_config({
+        "seed": 3, "rounds": 1, "eval_every": 1, "checkpoint_every": 1,
+        "dataset": "synthetic", "num_clients": 6, "model": "logistic", "algorithm": "fedavg",
+        "client_fraction": 1.0, "local_epochs": 1, "batch_size": "inf", "client_lr": 0.5,
+        "execution": {"mode": "async", "devices": 1},
+        "asynchronous": {"buffer_size": 6, "concurrency": 6, "weighting": weighting,
+                         "staleness": {"kind": "constant"}, "latency": {"kind": "constant"}}})
+
+
+@pytest.mark.serial
+def test_equal_weighting_changes_both_async_engines_alike(tmp_path):
+    """``asynchronous.weighting: equal`` means the same in the networked asynchronous server
+    as in the simulator: the six clients' updates of version 0, buffered by a real
+    ``AsyncServer`` from six client threads, give the simulator's equal-weighted model
+    (float tolerance: reports arrive in any order), which differs from n_k weighting's."""
+    import jax
+    from test_runtime import client_config, run_clients
+
+    from fedax.experiments.datasets import build_data
+    from fedax.runtime import Registry, ServerConfig, ServerTLS, make_dev_pki
+    from fedax.runtime.async_server import AsyncServer, Buffered
+    from fedax.runtime.launch import client_examples, network_task
+    from fedax.simulation.asynchronous import Staleness
+
+    models = {}
+    for weighting in ("algorithm", "equal"):
+        out = tmp_path / weighting
+        run_experiment(_one_version_config(weighting), out, progress=False,
+                       tensorboard=False)
+        models[weighting] = final_params(out)
+    gap = max(float(np.abs(models["algorithm"][p] - models["equal"][p]).max())
+              for p in models["equal"])
+    assert gap > 1e-3, gap  # the weighting matters on these unequal n_k
+
+    config = _one_version_config("equal")
+    pki = make_dev_pki(tmp_path / "pki", 6)
+    server = AsyncServer(network_task(config, build_data(config)),
+                         ServerConfig(rounds=1, cohort_size=6, poll_interval_s=0.05,
+                                      deadline_s=60.0),
+                         ServerTLS(pki["cert"], pki["key"]), Registry.load(pki["registry"]),
+                         key=jax.random.key(config.seed), start_with=6,
+                         buffered=Buffered(6, 6, Staleness("constant"), weighting="equal"))
+    port = server.start()
+    parts = client_examples(config, list(range(6)))
+    # each client reports 1 s after its task: all six report version 0 before any could
+    # report a second trip (the record's clients say so)
+    threads, results = run_clients([client_config(pki, port, k, delay_s=1.0)
+                                    for k in range(6)], [parts[k][:2] for k in range(6)])
+    try:
+        assert server.wait(120.0), "the server did not finish its one step"
+    finally:
+        server.stop()
+    for th in threads:
+        th.join(30.0)
+    assert server.history[0]["clients"] == list(range(6)), server.history[0]
+    net = {path: np.asarray(leaf) for path, leaf in
+           ((f".server.params['dense']['{k}']", v) for k, v in server.params["dense"].items())}
+    assert_same_model(models["equal"], net)
 
 
 @pytest.mark.serial
@@ -490,7 +599,7 @@ def test_an_async_report_must_match_its_trip(tmp_path):
 
     server = _tiny_server(tmp_path, AsyncServer,
                           buffered=Buffered(2, 3, Staleness("constant"), max_staleness=1))
-    server._trips[1] = Trip(0, 0, "n" * 32, "v1", b"", {}, np.zeros(2, np.uint32), 1e18)
+    server._trips[1] = Trip(0, 0, "n" * 32, "v1", b"", {}, (), np.zeros(2, np.uint32), 1e18)
     server._next_trip = 1
     assert server._check_header(None, 1, 0, 0, "v1", "n" * 32) is None
     for header in ((0, 0, "v2", "n" * 32), (0, 0, "v1", "m" * 32), (5, 0, "v1", "n" * 32)):
@@ -515,7 +624,7 @@ def test_a_report_staler_than_max_staleness_is_refused_and_never_buffered(tmp_pa
                              stats={"local_steps": np.float32(1),
                                     "train_loss": np.float32(1)})
     for cid, version in ((1, 2), (2, 0)):  # staleness 1 (kept), 3 (> 1: refused)
-        server._trips[cid] = Trip(cid, version, "n" * 32, "v", b"", {},
+        server._trips[cid] = Trip(cid, version, "n" * 32, "v", b"", {}, (),
                                   np.zeros(2, np.uint32), 1e18)
     server.rounds_done = 3
     for cid in (1, 2):
@@ -523,5 +632,5 @@ def test_a_report_staler_than_max_staleness_is_refused_and_never_buffered(tmp_pa
                             nonce="n" * 32, tensors=wire.encode_tree(report))
         reply = server._check_report(None, cid, (cid, 0, "v", "n" * 32), env)
         assert reply.accepted == (cid == 1), reply.reason
-    assert [(c, tau) for c, _, tau in server._buffer] == [(1, 1)]
+    assert [(c, tau) for c, _, tau, _ in server._buffer] == [(1, 1)]
     assert [e["kind"] for e in server.rejections] == ["stale"]

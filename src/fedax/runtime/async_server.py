@@ -8,11 +8,14 @@ checked as in the synchronous server (authenticated before any byte is read, its
 id, version and nonce, exact arrays, finite, every bound re-checked on the server) and
 buffered with its staleness τ = (current version) − v; a report staler than
 ``max_staleness`` is refused and counted, never averaged. When K = ``buffer_size`` reports
-are buffered the server applies them: the aggregator's client stage on each (on the
-server, with keys from its secret), the staleness weights s(τ) (``fedax.simulation.
-asynchronous.Staleness``), the reduction and server stage and the algorithm's server update
-(``fedax.algorithms.server_half``), as FedBuff's flush in the simulator does; then the new
-version is checkpointed, evaluated and logged. A trip whose report has not come within
+are buffered the server applies them with the simulator's own flush
+(``fedax.simulation.asynchronous.updates.buffered_step``): the aggregator's client stage on
+each (on the server, with the aggregator state of the version its client downloaded and
+the trip's key, drawn from the server's secret, as the simulator runs it where the update
+is computed), the weighting (``weighting: equal`` gives every report 1), the staleness
+weights s(τ) (``fedax.simulation.asynchronous.Staleness``), the reduction and server stage
+and the algorithm's server update; then the new version is checkpointed, evaluated and
+logged. A trip whose report has not come within
 ``deadline_s`` is dropped and its slot given to another client. Clients need nothing new:
 a trip is a task like a round's (``fedax.runtime.client``).
 """
@@ -27,15 +30,14 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from fedax.aggregators import client_stage, round_keys
-from fedax.algorithms.base import server_half
+from fedax.aggregators import round_keys
 from fedax.runtime import store, wire
 from fedax.runtime.rounds import RoundFailed, finite, selection_words
 from fedax.runtime.server import Server
 from fedax.runtime.task import broadcast, round_key, stage_key
+from fedax.simulation.asynchronous.updates import Pool, buffered_step, stage_each, weigh
 
 log = logging.getLogger("fedax.runtime.server")
 
@@ -65,7 +67,9 @@ class Buffered:
 
 @dataclasses.dataclass
 class Trip:
-    """One client's trip: the version it trains on and what it was sent."""
+    """One client's trip: the version it trains on, what it was sent, the aggregator state
+    of that version (its report's client stage runs with it, as the client would) and the
+    trip's client-stage key."""
 
     trip: int
     version: int
@@ -73,6 +77,7 @@ class Trip:
     model_version: str
     shared: bytes
     payload: Any
+    aggregator: Any
     key: Any
     deadline: float
 
@@ -98,9 +103,9 @@ class AsyncServer(Server):
                              "asynchronous server")
         self.buffered = buffered
         self._trips: dict[int, Trip] = {}
-        self._buffer: list[tuple[int, Any, int]] = []  # (client, report, staleness)
+        self._buffer: list[tuple[int, Any, int, Trip]] = []  # (client, report, τ, trip)
         self._next_trip = 0
-        self._sent: tuple[int, bytes, str, Any] | None = None  # the current version's
+        self._sent: tuple[int, bytes, str, Any, Any] | None = None  # the current version's
         self._stats = {"trips": 0, "dropped": 0, "stale": 0}
         self._flush = jax.jit(self._flush_fn)
 
@@ -130,14 +135,16 @@ class AsyncServer(Server):
             self._trips.clear()  # a trip still out now is late
         return True
 
-    def _version_sent(self) -> tuple[int, bytes, str, Any]:
-        """The current version's shared tensors (made once per version)."""
+    def _version_sent(self) -> tuple[int, bytes, str, Any, Any]:
+        """The current version's shared tensors, model version, payload and aggregator state
+        (made once per version)."""
         v = self.rounds_done
         if self._sent is None or self._sent[0] != v:
             sent = broadcast(self.pieces, self.state, self._encodes)
             shared = wire.Envelope(tensors=wire.encode_tree(store.raw(sent))).SerializeToString()
             self._sent = (v, shared, hashlib.sha256(shared).hexdigest()[:16],
-                          jax.device_get(sent["payload"]))
+                          jax.device_get(sent["payload"]),
+                          jax.device_get(self.state.aggregator))
         return self._sent
 
     def _dispatch(self) -> None:
@@ -147,7 +154,7 @@ class AsyncServer(Server):
             idle = [c for c in self._alive() if c not in self._trips]
         if free <= 0 or not idle:
             return
-        v, shared, model_version, payload = self._version_sent()
+        v, shared, model_version, payload, aggregator = self._version_sent()
         rng = np.random.default_rng([*selection_words(self._secret), self._next_trip])
         chosen = [idle[i] for i in rng.permutation(len(idle))[:free]]
         keys = np.asarray(round_keys(round_key(self._key, self._next_trip + (1 << 30)),
@@ -156,7 +163,8 @@ class AsyncServer(Server):
         with self._lock:
             for i, cid in enumerate(chosen):
                 self._trips[cid] = Trip(self._next_trip, v, secrets.token_hex(16),
-                                        model_version, shared, payload, keys[i], deadline)
+                                        model_version, shared, payload, aggregator, keys[i],
+                                        deadline)
                 self._next_trip += 1
                 self._stats["trips"] += 1
             self._lock.notify_all()
@@ -168,32 +176,36 @@ class AsyncServer(Server):
             del self._trips[cid]
             self._stats["dropped"] += 1
 
-    def _flush_fn(self, state, reports, taus, keys, key):
+    def _flush_fn(self, state, reports, taus, downloaded, keys, key):
+        """FedBuff's step on K reports (``buffered_step``, the simulator's flush): each
+        report weighed (``weighting``) and, unless its client encoded, put through the
+        aggregator's client stage here with the aggregator state of the version its client
+        downloaded (``downloaded``, stacked) and its trip's key (``keys``, raw)."""
         pieces = self.pieces
-        weights, stats = reports.weight, None
-        if self.buffered.weighting == "equal":  # as the simulator: 1 per real update
-            weights = (reports.num_examples > 0).astype(jnp.float32)
-        values = reports.update
-        if self._encodes:  # the clients encoded; their stage stats come with the reports
-            stats = jax.tree.map(lambda s: s.sum(0), reports.stage_stats) or None
-        elif pieces.aggregator.client is not None:
-            values, weights, stats = client_stage(pieces.aggregator, values, weights,
-                                                  state.aggregator, keys)
-        values, scale = self.buffered.staleness.scale(values, taus)
-        state, metrics = server_half(pieces, state, values, weights, reports.stats,
-                                     reports.sums, reports.num_examples, key, staged=True,
-                                     staged_stats=stats)
-        metrics["mean_staleness_weight"] = jnp.mean(scale)
+        weights = weigh(reports.weight, reports.num_examples, self.buffered.weighting)
+        values, stage_stats = reports.update, reports.stage_stats
+        if not self._encodes and pieces.aggregator.client is not None:
+            values, weights, stage_stats = stage_each(pieces.aggregator, values, weights,
+                                                      downloaded, keys)
+        buffered = Pool(values, weights, reports.num_examples, reports.stats,
+                        stage_stats, reports.sums)
+        state, metrics = buffered_step(pieces, state, buffered, taus, key,
+                                       self.buffered.staleness)
         return state._replace(clients=None), metrics
 
-    def _apply(self, batch: list[tuple[int, Any, int]], started: float) -> None:
+    def _apply(self, batch: list[tuple[int, Any, int, Trip]], started: float) -> None:
         """A server step on K buffered reports; the new version is checkpointed, then
         evaluated and logged."""
-        reports = jax.tree.map(lambda *xs: np.stack(xs), *[r for _, r, _ in batch])
-        taus = np.array([tau for _, _, tau in batch], np.int32)
+        def stack(*xs):
+            return np.stack(xs)
+
+        reports = jax.tree.map(stack, *[r for _, r, _, _ in batch])
+        downloaded = jax.tree.map(stack, *[trip.aggregator for *_, trip in batch])
+        keys = np.stack([trip.key for *_, trip in batch])
+        taus = np.array([tau for _, _, tau, _ in batch], np.int32)
         v = self.rounds_done
-        keys = np.asarray(round_keys(round_key(self._key, v), len(batch))[0])
-        state, metrics = self._flush(self.state, reports, taus, keys, round_key(self._key, v))
+        state, metrics = self._flush(self.state, reports, taus, downloaded, keys,
+                                     round_key(self._key, v))
         if not finite(state):
             raise RoundFailed(f"server step {v}: the new state is not finite")
         self.state = state
@@ -201,7 +213,7 @@ class AsyncServer(Server):
         if self.evaluate is not None:
             metrics.update(self.evaluate(self.params))
         with self._lock:
-            record = {"round": v, "clients": sorted(c for c, _, _ in batch),
+            record = {"round": v, "clients": sorted(c for c, *_ in batch),
                       "mean_staleness": float(taus.mean()), "max_staleness": int(taus.max()),
                       **self._stats, "bytes_in": self._bytes["in"],
                       "bytes_out": self._bytes["out"], "status": "closed",
@@ -266,7 +278,7 @@ class AsyncServer(Server):
                 self._stats["stale"] += 1
                 return self._reject(None, cid, "stale", f"staleness {tau} exceeds "
                                     f"max_staleness {limit}")
-            self._buffer.append((cid, report, tau))
+            self._buffer.append((cid, report, tau, trip))
             self._lock.notify_all()
         return wire.SubmitReply(accepted=True)
 

@@ -85,12 +85,60 @@ class UpdateFunctions(NamedTuple):
     server_step: Callable[..., Any]
 
 
+def weigh(weights: jax.Array, num_examples: jax.Array, weighting: str) -> jax.Array:
+    """A buffered update's weight: the algorithm's (``"algorithm"``, FedAvg's n_k) or 1 for
+    every update with examples (``"equal"``); both asynchronous engines weigh by this."""
+    if weighting == "equal":
+        return (num_examples > 0).astype(jnp.float32)
+    return weights
+
+
+def stage_each(aggregator: Any, values: Any, weights: jax.Array, downloaded: Any,
+               raw_keys: jax.Array) -> tuple[Any, jax.Array, Any]:
+    """The aggregator's client stage on each of C updates, each with the aggregator state
+    of the version its client downloaded (``downloaded``: client-placed, or a stateless
+    aggregator's leafless state) and its own key (``raw_keys [C]``, raw key data). Returns
+    the staged values, weights and per-client stage statistics (summed at the flush)."""
+    stateful = bool(jax.tree.leaves(downloaded))
+    at = (downloaded,) if stateful else ()
+
+    def one(v, w, raw, *s):
+        return aggregator.client(v, w, s[0] if stateful else downloaded,
+                                 jax.random.wrap_key_data(raw))
+
+    return fed.map_clients(one, values, weights, raw_keys, *at)
+
+
+def buffered_step(pieces: RoundPieces, state: RoundState, buffered: Pool, taus: jax.Array,
+                  key: jax.Array, staleness: Any, mixing: bool = False
+                  ) -> tuple[RoundState, dict[str, jax.Array]]:
+    """FedBuff's server step on K buffered updates, in both asynchronous engines (the
+    virtual clock's flush and ``fedax.runtime.async_server``): each value scaled by its
+    staleness weight s(τ_k) (with ``mixing``, FedAsync's value ``w_current − w_local``
+    first), then ``server_half`` with the aggregator's client stage already run
+    (``staged``: where each update was computed, with its version's state; its per-update
+    statistics in ``buffered.aggregator_stats`` are summed here):
+    x ← server_update(x, reduce_k(w_k, s(τ_k) Δ_k)). Metrics gain
+    ``mean_staleness_weight``."""
+    values = buffered.value
+    if mixing:  # w_current − w_local
+        current = fed.broadcast(pieces.server_params(state.server), taus.shape[0])
+        values = jax.tree.map(jnp.subtract, current, values)
+    values, scale = staleness.scale(values, taus)
+    stage_stats = buffered.aggregator_stats
+    summed = fed.sum(stage_stats) if jax.tree.leaves(stage_stats) else None
+    state, metrics = server_half(
+        pieces, state, values, buffered.weight, dict(buffered.stats), buffered.sums,
+        buffered.num_examples, key, staged=True, staged_stats=summed)
+    metrics["mean_staleness_weight"] = jnp.mean(scale)
+    return state, metrics
+
+
 def update_functions(pieces: RoundPieces, source: PartitionSource,
                      config: AsyncConfig) -> UpdateFunctions:
     """The device functions of ``run_async`` for ``pieces`` on ``source`` with ``config``
     (see ``UpdateFunctions``)."""
     aggregator = pieces.aggregator
-    k = config.buffer_size
 
     def compute(state: RoundState, placed, idx, mask, num_examples, client_ids, trips,
                 streams):
@@ -112,13 +160,10 @@ def update_functions(pieces: RoundPieces, source: PartitionSource,
                                   train_keys)
         finite = client_finite((message.update, message.stats, message.sums))
         real = cohort.num_examples > 0
-        if config.weighting == "equal":
-            weights = real.astype(jnp.float32)
-        else:
-            weights = message.weight
-        weights = jnp.where(finite, weights, 0)
+        weights = jnp.where(finite, weigh(message.weight, cohort.num_examples,
+                                          config.weighting), 0)
         values = keep_clients(message.update, finite)
-        aggregator_stats = ()
+        aggregator_stats: Any = ()
         if config.mixing:  # FedAsync: keep the client's local model w_v − Δ_i
             model = fed.broadcast(pieces.server_params(state.server), size)
             values = keep_clients(jax.tree.map(jnp.subtract, model, values), finite)
@@ -126,14 +171,10 @@ def update_functions(pieces: RoundPieces, source: PartitionSource,
             keys = jax.vmap(lambda j: jax.random.key_data(
                 jax.random.fold_in(aggregator_stream, j)))(trips)
             stateful = bool(jax.tree.leaves(state.aggregator))
-            at = (fed.broadcast(state.aggregator, size),) if stateful else ()
-
-            def client_stage(v, w, raw, *s):
-                return aggregator.client(v, w, s[0] if stateful else state.aggregator,
-                                         jax.random.wrap_key_data(raw))
-
-            values, weights, aggregator_stats = fed.map_clients(
-                client_stage, values, weights, keys, *at)
+            downloaded = fed.broadcast(state.aggregator, size) if stateful \
+                else state.aggregator
+            values, weights, aggregator_stats = stage_each(aggregator, values, weights,
+                                                           downloaded, keys)
         out = Pool(values, weights, cohort.num_examples, message.stats, aggregator_stats,
                    keep_clients(message.sums, finite) if jax.tree.leaves(message.sums)
                    else message.sums)
@@ -149,26 +190,9 @@ def update_functions(pieces: RoundPieces, source: PartitionSource,
 
     def server_step(state: RoundState, pool: Pool, slots, taus, key):
         """One server update from the K buffered updates (``slots`` into the pool)."""
-
-        def take(leaf):
-            return leaf[slots]
-
-        values = jax.tree.map(take, pool.value)
-        weights = take(pool.weight)
-        num_examples = take(pool.num_examples)
-        if config.mixing:  # w_current − w_local
-            current = fed.broadcast(pieces.server_params(state.server), k)
-            values = jax.tree.map(jnp.subtract, current, values)
-        values, scale = config.staleness.scale(values, taus)
-        stats = None
-        if aggregator.client is not None:  # ran at each update's computation (``compute``)
-            stats = jax.tree.map(take, pool.aggregator_stats)
-            stats = fed.sum(stats) if jax.tree.leaves(stats) else None
-        sums = jax.tree.map(take, pool.sums)
-        state, metrics = server_half(
-            pieces, state, values, weights, {n: take(s) for n, s in pool.stats.items()},
-            sums, num_examples, key, staged=True, staged_stats=stats)
-        metrics["mean_staleness_weight"] = jnp.mean(scale)
+        buffered = jax.tree.map(lambda leaf: leaf[slots], pool)
+        state, metrics = buffered_step(pieces, state, buffered, taus, key, config.staleness,
+                                       mixing=config.mixing)
         new_params = pieces.server_params(state.server)
         metrics["server_finite"] = jnp.all(jnp.stack([
             jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(new_params)
@@ -178,4 +202,5 @@ def update_functions(pieces: RoundPieces, source: PartitionSource,
     return UpdateFunctions(compute, compute_into, server_step)
 
 
-__all__ = ["Pool", "UpdateFunctions", "check_pieces", "update_functions"]
+__all__ = ["Pool", "UpdateFunctions", "buffered_step", "check_pieces", "stage_each",
+           "update_functions", "weigh"]
