@@ -42,7 +42,7 @@ ISA_SKIP := not builds_every_algorithm and not writes_metrics and not same_seed 
 PYTEST_WORKERS ?= auto
 PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
-## typecheck: mypy over the core packages ([tool.mypy] in pyproject.toml; no errors allowed)
+## typecheck: mypy over all of src/fedax ([tool.mypy] in pyproject.toml; no errors allowed)
 typecheck: $(VENV)/.test-installed
 	$(BIN)/mypy
 

@@ -561,6 +561,26 @@ def _tiny_server(tmp_path, server_class=None, **kwargs):
                                     Registry.load(pki["registry"]), **kwargs)
 
 
+def test_the_network_runs_records_are_written_as_its_rounds_close(tmp_path):
+    """``metrics.jsonl`` of a networked run holds each round as soon as it is closed and
+    checkpointed (a run that fails later keeps them), and a resumed run's file starts with
+    its checkpoint's rounds."""
+    from fedax.runtime.launch import _record_writer
+
+    server = _tiny_server(tmp_path / "a")
+    writer = _record_writer(server, tmp_path, None, resume=False)
+    server._closed({"round": 0, "status": "closed", "train_loss": 1.5})
+    assert records(tmp_path) == [{"round": 1, "status": "ok", "train_loss": 1.5}]
+    server._closed({"round": 1, "status": "closed", "train_loss": 1.25})
+    assert [r["round"] for r in records(tmp_path)] == [1, 2] == \
+        [r["round"] for r in writer.records]
+    again = _tiny_server(tmp_path / "b")
+    again.history = [{"round": 0, "status": "closed", "train_loss": 1.5}]
+    (tmp_path / "metrics.jsonl").write_text('{"round": 9}\n')  # a later, lost round
+    _record_writer(again, tmp_path, None, resume=True)
+    assert [r["round"] for r in records(tmp_path)] == [1]
+
+
 @pytest.mark.parametrize("phase, values, problem", [
     ("evaluate", (5.0, 3.2, 10.0), None),
     ("evaluate", (11.0, 3.2, 10.0), "not 0 <= correct <= count"),

@@ -48,7 +48,12 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
         privacy,
         simulation,
     )
-    from fedax.algorithms import fedavg, fedprox, fedsgd, scaffold
+
+    # (from the defining modules: each shares its name with the function it defines)
+    from fedax.algorithms.fedavg import fedavg
+    from fedax.algorithms.fedprox import fedprox
+    from fedax.algorithms.fedsgd import fedsgd
+    from fedax.algorithms.scaffold import scaffold
     from fedax.data import ClientData, make_cohort
     from fedax.experiments import run_experiment
     from fedax.models import get_model

@@ -31,7 +31,7 @@ int64), from which ``attacked`` marks them in every round's diagnostics.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +61,7 @@ def alie_z(n: Any, f: Any) -> Any:
 
 def _carrying(adversary: Adversary, attackers: np.ndarray) -> Adversary:
     """``adversary`` with its attackers' ids as its ``attackers`` attribute."""
-    adversary.attackers = np.sort(np.asarray(attackers, np.int64))
+    cast(Any, adversary).attackers = np.sort(np.asarray(attackers, np.int64))  # a fn attr
     return adversary
 
 
@@ -73,11 +73,11 @@ class _Cohort:
     """Who is who in this round's cohort (client-placed masks) and the server's counts."""
 
     def __init__(self, table: np.ndarray, weights: jax.Array, client_ids: jax.Array):
-        table = jnp.asarray(table)
-        size = table.shape[0]
+        on_device = jnp.asarray(table)
+        size = on_device.shape[0]
 
         def flags(i, w):
-            attacker = jnp.logical_and(table[jnp.clip(i, 0, size - 1)], w > 0)
+            attacker = jnp.logical_and(on_device[jnp.clip(i, 0, size - 1)], w > 0)
             return attacker, jnp.logical_and(~attacker, w > 0)
 
         self.attacker, self.honest = fed.map_clients(flags, client_ids, weights)

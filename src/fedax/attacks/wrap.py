@@ -69,12 +69,14 @@ def _passing_flags(inner: Aggregator) -> Aggregator:
     engine without the adversary) go through ``inner`` unchanged."""
 
     def client(value, weight, state, key):
+        assert inner.client is not None  # (client is passed on only when inner has one)
         if not isinstance(value, Flagged):
             return inner.client(value, weight, state, key)
         update, weight, stats = inner.client(value.update, weight, state, key)
         return Flagged(update, value.attacker), weight, stats
 
     def reduce(values, weights, state, key):
+        assert inner.reduce is not None  # an aggregator that flags reduces
         if not isinstance(values, Flagged):
             return inner.reduce(values, weights, state, key)
         attacker = fed.map_clients(lambda a, w: jnp.logical_and(a, w > 0), values.attacker,

@@ -66,7 +66,7 @@ def cmd_reproduce(args) -> int:
     try:
         results = reproduce(paper, out, quick=args.quick, progress=not args.no_progress,
                             command=command, cells=cells, lrs=lrs,
-                            **({"report_only": True} if args.report_only else {}))
+                            report_only=args.report_only)
     except KeyboardInterrupt as err:
         finish_pending_work()
         raise CommandError(f"stopped; continue with: {command} (finished runs in {out} are "
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fedax {_version()}")
     parser.add_argument("--debug", action="store_true",
                         help="on failure, print the traceback too (or set FEDAX_DEBUG=1)")
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)  # (a parent: only its arguments are used)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="on failure, print the traceback too (or set FEDAX_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -60,7 +60,9 @@ def _tag_of(line: str) -> tuple[str, str] | None:
     """``(tag, rest of the line)`` when ``line`` opens with a speaker tag, else None."""
     if not line[:1].isupper() or line[1:2].islower():  # fast path: most lines are speech
         return None
-    head = _TAG_HEAD.match(line).group(1)
+    match = _TAG_HEAD.match(line)
+    assert match is not None  # a lazy group then a lookahead that admits $: always matches
+    head = match.group(1)
     tag = head.strip().rstrip(",").strip()
     if _is_tag(tag):
         return " ".join(tag.split()), line[len(head) :]
@@ -131,8 +133,9 @@ def _parse_play(title: str, lines: list[str], cast_at: int) -> Play:
     for k in range(start, len(lines)):
         line = lines[k].rstrip()
         if k in headings:
-            if headings[k] is not None:
-                speaker = _section_speaker(headings[k])
+            heading = headings[k]
+            if heading is not None:
+                speaker = _section_speaker(heading)
             continue
         if not line.strip():
             continue

@@ -7,6 +7,8 @@ experiment (``fedax.reproduce.hooks.fad_client_weights``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 MISLABEL_MODES = ("permute", "random")
@@ -25,7 +27,7 @@ def mislabel_clients(
     labels: np.ndarray,
     parts: list[np.ndarray],
     fraction: float,
-    seed: int | np.random.Generator,
+    seed: int | Sequence[int] | np.random.Generator,
     mode: str = "permute",
     num_classes: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -35,7 +37,8 @@ def mislabel_clients(
       labels: int ``[N]`` labels of the whole data set (not modified).
       parts: the partition, ``parts[k]`` client k's example indices (disjoint).
       fraction: in [0, 1], the share of clients made bad.
-      seed: an int or a ``np.random.Generator``; the result is a function of it.
+      seed: an int, a sequence of ints (a ``np.random.SeedSequence``'s entropy) or a
+        ``np.random.Generator``; the result is a function of it.
       mode: ``"permute"``: each bad client maps its labels through its own random
         derangement of the classes (every label changes, consistently within the client);
         ``"random"``: each label of a bad client is replaced by a uniformly random *other*

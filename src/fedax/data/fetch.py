@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from fedax.data import fashion_mnist, mnist, shakespeare
@@ -14,7 +14,7 @@ def _fetch_shakespeare(cache_dir, **kwargs) -> Path:
     return shakespeare.fetch_shakespeare(cache_dir, **kwargs).parent
 
 
-_FETCHERS = {
+_FETCHERS: dict[str, Callable[..., Path]] = {
     "mnist": mnist.fetch_mnist,
     "fashion_mnist": fashion_mnist.fetch_fashion_mnist,
     "shakespeare": _fetch_shakespeare,

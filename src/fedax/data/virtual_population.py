@@ -161,6 +161,7 @@ class VirtualPopulation:
         rng = self._rng(k)
         n = self._size(rng)
         if self.iid:
+            assert self._shared is not None  # set by __post_init__ when iid
             w, b = self._shared
             mean = np.zeros(self.dim)
         else:

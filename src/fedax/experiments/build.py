@@ -47,9 +47,12 @@ def build(config: Config, *, num_clients: int, model_kwargs: dict[str, Any],
     model = with_precision(get_model(config.model, **model_kwargs), config.precision)
     params = jax.jit(model.init)(jax.random.key(config.seed))
     p = config.privacy
+    plan: PrivacyPlan | None
+    example_privacy: tuple[float, float] | None
     if p is not None and p.level == "example" and client_sizes is None:
         # a networked client trains with the mechanism; only the server accounts (it needs
         # the n_k, and the clients' noise is their own)
+        assert p.clip is not None and p.noise_multiplier is not None  # validated for example
         plan, example_privacy = None, (float(p.clip), float(p.noise_multiplier))
     else:
         plan = privacy_plan(config, num_clients, client_sizes, dim=param_count(params))
@@ -97,12 +100,15 @@ def privacy_aggregator(config: Config, plan: PrivacyPlan) -> Any:
     from fedax import aggregators
 
     p, z, m = config.privacy, plan.noise_multiplier, plan.expected_clients
+    assert p is not None  # a plan is of config.privacy
     if p.level == "example":
         return None
     if p.mechanism == "gaussian" and config.compression is not None:
+        assert p.clip is not None  # validated: mechanism 'gaussian' needs clip
         return aggregators.dp_compressed(compressor(config), p.clip, z, m,
                                          per_layer=p.per_layer)
     if p.mechanism == "gaussian":
+        assert p.clip is not None
         return aggregators.dp_gaussian(p.clip, z, m, per_layer=p.per_layer)
     if p.mechanism == "adaptive":
         return aggregators.dp_adaptive_gaussian(
@@ -159,7 +165,8 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
                                server_lr=hyperparameters.pop("lr"), **hyperparameters,
                                aggregator=aggregator, example_privacy=example_privacy,
                                local_stopping=config.client.stopping_rule(), **options)
-    if code is not None and config.compression.error_feedback:
+    if code is not None and config.compression is not None \
+            and config.compression.error_feedback:
         from fedax.algorithms.error_feedback import error_feedback
 
         algorithm = error_feedback(algorithm, code, num_clients or config.num_clients)

@@ -47,9 +47,9 @@ def _labels(paths: Sequence[Path]) -> list[str]:
 
 def load_runs(paths: Sequence[str | Path]) -> list[RunCurve]:
     """The runs in ``paths``; a directory without ``metrics.jsonl`` is an error naming it."""
-    paths = [Path(p) for p in paths]
+    run_paths = [Path(p) for p in paths]
     runs = []
-    for path, label in zip(paths, _labels(paths), strict=True):
+    for path, label in zip(run_paths, _labels(run_paths), strict=True):
         metrics = path / "metrics.jsonl"
         if not metrics.is_file():
             raise FileNotFoundError(f"{path} holds no run (no metrics.jsonl)")

@@ -25,9 +25,9 @@ so ``server.optimizer`` is then absent or that name; otherwise it defaults to ``
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from os import PathLike
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import (
     Field,
@@ -191,7 +191,7 @@ class Config(_Section):
     @field_validator("local_epochs", "batch_size")
     @classmethod
     def _fedsgd_is_e1_binf(cls, value: Any, info: ValidationInfo) -> Any:
-        required = {"local_epochs": 1, "batch_size": math.inf}[info.field_name]
+        required = {"local_epochs": 1, "batch_size": math.inf}[cast(str, info.field_name)]
         if info.data.get("algorithm") == "fedsgd" and value != required:
             raise ValueError(
                 f"must be {'inf' if required == math.inf else required} for algorithm 'fedsgd',"
@@ -381,13 +381,13 @@ def with_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[st
     (as :func:`load_config` does); not validated."""
     import copy
 
-    data = copy.deepcopy(dict(data))
+    result = copy.deepcopy(dict(data))
     for override in overrides:
-        apply_override(data, override, Config)
-    return data
+        apply_override(result, override, Config)
+    return result
 
 
-def check_against_data(config: Config, client_sizes: Sequence[int]) -> None:
+def check_against_data(config: Config, client_sizes: Iterable[int]) -> None:
     """Checks the config against the clients' data sizes n_k.
 
     Raises:

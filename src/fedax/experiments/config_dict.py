@@ -5,14 +5,15 @@ finished-run check) and a config validates back from its dict."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import BaseModel
+from typing import TYPE_CHECKING, Any
 
 from fedax.experiments.sections import ClientConfig
 
+if TYPE_CHECKING:  # config imports this module
+    from fedax.experiments.config import Config
 
-def config_to_dict(config: BaseModel) -> dict[str, Any]:
+
+def config_to_dict(config: Config) -> dict[str, Any]:
     """A JSON-serializable dict of ``config``, a ``fedax.experiments.config.Config`` (B = inf
     as ``"inf"``); it validates back.
     ``learned_lr`` appears only with ``server.lr: learned`` (it applies only then), and

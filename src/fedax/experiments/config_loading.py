@@ -10,7 +10,7 @@ from typing import Any, get_origin
 import yaml
 from pydantic import BaseModel
 
-from fedax.experiments.config_messages import _allowed, _field_at, _section, _unknown_key
+from fedax.experiments.config_messages import _allowed, _section, _unknown_key
 from fedax.experiments.errors import ConfigError
 
 
@@ -38,12 +38,13 @@ def apply_override(data: dict[str, Any], override: str, root: type[BaseModel]) -
                 f"unknown config key '{key.strip()}' in --set {override!r}"
                 f" ('{'.'.join(path[: i + 1])}' is not a section)"
             )
+        field = model.model_fields[part]
         model = section
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise ConfigError(
                 f"config key '{'.'.join(path[: i + 1])}': must be "
-                f"{_allowed(_field_at(path[: i + 1], root))}, got {child!r}"
+                f"{_allowed(field)}, got {child!r}"
             )
         node = child
     try:

@@ -85,7 +85,8 @@ def _model_at(path: Sequence[str | int], root: type[BaseModel]) -> type[BaseMode
 
 def _field_at(path: Sequence[str | int], root: type[BaseModel]) -> FieldInfo | None:
     parent = _model_at(path[:-1], root) if path else None
-    return parent.model_fields.get(path[-1]) if parent is not None else None
+    name = path[-1] if path else None
+    return parent.model_fields.get(name) if parent is not None and isinstance(name, str) else None
 
 
 def _closest(name: str, keys: Sequence[str]) -> str | None:

@@ -106,6 +106,7 @@ def compression_summary(config: Config, params: Any, tally: RoundTally) -> dict[
     and the uplink of every round run."""
     from fedax.aggregators.compression import uplink_sizes
 
+    assert config.compression is not None  # only a run with compression has one
     code = compressor(config)
     sizes = uplink_sizes(code, params)
     return {"scheme": config.compression.scheme, "compressor": code.name,

@@ -85,6 +85,7 @@ class PrivacyPlan(NamedTuple):
     def summary(self, config: Config, rounds_run: int,
                 last_record: dict[str, Any] | None = None) -> dict[str, Any]:
         p = config.privacy
+        assert p is not None  # a plan is of a config with privacy
         out = {
             **p.model_dump(mode="json"), "noise_multiplier": self.noise_multiplier,
             "noise_multiplier_calibrated": p.noise_multiplier is None,
@@ -114,6 +115,7 @@ class PrivacyPlan(NamedTuple):
         if not self.stopped_by_budget(config, rounds_run):
             return None
         nxt = self.epsilon(rounds_run + 1)
+        assert config.privacy is not None  # a plan is of a config with privacy
         return (f"stopped by the privacy budget after round {rounds_run} of {config.rounds}: "
                 f"round {rounds_run + 1} would spend epsilon = "
                 f"{'inf' if nxt is None else _round_up(nxt)} > privacy.target_epsilon = "
@@ -166,6 +168,7 @@ def rounds_within_budget(config: Config, ledger: Any, spends: str, raise_what: s
     without a budget); a budget that one round already exceeds is refused in one line:
     "one round {spends} spends epsilon ... ; raise {raise_what} or the budget"."""
     p = config.privacy
+    assert p is not None  # a DP run's
     if p.target_epsilon is None:
         return config.rounds
     rounds = ledger.rounds_within(p.target_epsilon, config.rounds)
@@ -199,6 +202,7 @@ def count_stddev(config: Config, m: float, z: float) -> float:
     """Adaptive clipping's σ_b: the config's, or max(m/20, z). m/20 is TFF's default; it
     needs z < 2σ_b = m/10, which small cohorts miss (m = 10 at z = 1). With σ_b ≥ z the
     count never takes more than a quarter of the round's budget: z_Δ ≤ z/√0.75 ≈ 1.155 z."""
+    assert config.privacy is not None  # adaptive clipping is a privacy mechanism
     given = config.privacy.count_stddev
     if given is not None:
         if z > 0 and not z < 2 * given:
@@ -232,16 +236,18 @@ def privacy_plan(config: Config, num_clients: int,
     if p.level == "example":
         if client_sizes is None:
             raise ValueError("example-level accounting needs the clients' sizes")
-        ledger = ExampleLevelLedger(p.noise_multiplier, client_sizes, config.batch_size,
-                                    config.local_epochs, p.delta)
+        # validated: level 'example' needs clip and noise_multiplier
+        assert p.clip is not None and p.noise_multiplier is not None
+        ledger: ExampleLevelLedger | PrivacyLedger = ExampleLevelLedger(
+            p.noise_multiplier, client_sizes, config.batch_size, config.local_epochs, p.delta)
         rounds = rounds_within_budget(config, ledger, "already", "the noise")
-        m = cohort_size(config, num_clients)
-        releases = (f"each local step's noised sum of per-example gradients clipped to "
-                    f"{p.clip:g} (DP-SGD, z = {p.noise_multiplier:g}), every client's every "
-                    "round",)
+        m: float = cohort_size(config, num_clients)
+        example_releases = ("each local step's noised sum of per-example gradients clipped "
+                            f"to {p.clip:g} (DP-SGD, z = {p.noise_multiplier:g}), every "
+                            "client's every round",)
         return PrivacyPlan(float(p.noise_multiplier), m / num_clients, m, ledger,
                            rounds, (float(p.clip), float(p.noise_multiplier)),
-                           releases=releases)
+                           releases=example_releases)
 
     if p.sampling == "fixed":
         m = cohort_size(config, num_clients)
@@ -263,6 +269,7 @@ def privacy_plan(config: Config, num_clients: int,
     extra = 1 if learned else 0
     z = p.noise_multiplier
     if z is None:
+        assert p.target_epsilon is not None  # validated: z or a budget
         z = noise_multiplier_for(p.target_epsilon, q, config.rounds, p.delta,
                                  accountant=p.accountant, sampling=p.sampling,
                                  population=num_clients, extra_releases_per_round=extra)

@@ -52,7 +52,7 @@ def run_progress(config: Config, out: str | os.PathLike[str]) -> dict[str, Any] 
     a resume continues from. None when ``out`` holds no such checkpoint (no run, another
     config's, or checkpoints off)."""
     from fedax.simulation import checkpoint as ckpt
-    from fedax.simulation.runner import flat_items
+    from fedax.simulation.schedule import flat_items
 
     data = ckpt.newest_readable(Path(out) / "checkpoints")
     if data is None:
@@ -84,7 +84,7 @@ def resume_schedule(config: Config, out: str | os.PathLike[str],
         ``settings`` say under which values it can. Nothing has been changed.
     """
     from fedax.simulation import checkpoint as ckpt
-    from fedax.simulation.runner import flat_items
+    from fedax.simulation.schedule import flat_items
 
     schedule = ["rounds"]
     data = ckpt.newest_readable(Path(out) / "checkpoints")
@@ -109,6 +109,7 @@ def resume_schedule(config: Config, out: str | os.PathLike[str],
     if p is not None and p.noise_multiplier is None and old_rounds != config.rounds \
             and isinstance(old_rounds, int) and plan_for is not None:
         old = plan_for(config.model_copy(update={"rounds": old_rounds}))
+        assert old is not None  # config has privacy: it has a plan
         z = old.noise_multiplier
         allows = old.ledger.rounds_within(p.target_epsilon, max_rounds=max(config.rounds, 1))
         raise ckpt.ResumeError(
@@ -122,6 +123,7 @@ def resume_schedule(config: Config, out: str | os.PathLike[str],
         raise ckpt.ResumeError(f"it has done {done} rounds, more than rounds={config.rounds}",
                                settings=[f"rounds={max(done, old_rounds or 0)}"])
     if plan is not None and done > plan.rounds:
+        assert p is not None  # a privacy plan is of config.privacy
         raise ckpt.ResumeError(
             f"it has done {done} rounds, more than privacy.target_epsilon="
             f"{p.target_epsilon:g} allows at noise multiplier {plan.noise_multiplier:g} "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,7 @@ def run_experiment(
     schedule = () if not resume else resume_schedule(
         config, out, plan, lambda c: privacy_plan(c, train.num_clients, train.sizes,
                                                   dim=param_count(params)))
+    evaluate: Callable[[Any], Any]  # a dict of named values, or (accuracy, loss)
     if data.test_clients is not None:
         evaluate = make_client_evaluator(model.apply, data.x_test, data.y_test,
                                          data.test_clients, target=config.target_accuracy,
@@ -122,6 +124,55 @@ def run_experiment(
     execution: Execution = choose_execution(
         config.execution.strategy, config.execution.local_steps, devices, params=params,
     )
+
+    writer, callbacks, round_callbacks, tally = _recorders(config, out, tensorboard)
+    label = label or config.algorithm
+    title = title or label or out.name
+    started = time.perf_counter()
+    sampling = "fixed" if plan is None or config.privacy is None else config.privacy.sampling
+    partition = PartitionSource(
+        train, config.client_fraction, config.local_epochs, config.batch_size, config.seed,
+        config.stragglers, config.drop_stragglers, sampling=sampling)
+    source: PartitionSource | HoldoutSource = partition
+    if config.server.lr == "learned":
+        # the holdout cohort is the train cohort's size m unless set (under privacy the plan
+        # requires m: its hypergradient's fixed denominator and sampling rate)
+        source = HoldoutSource(partition, config.learned_lr.holdout_clients
+                               or cohort_size(config, train.num_clients))
+    try:
+        with preferred_cpu_dots(cpu_dots_for(config.model, config.precision)):
+            kit = _run_kit(config, plan, execution, callbacks, out, resume)
+            if config.execution.mode == "async":
+                history = _run_async(config, algorithm, params, source, evaluate, kit,
+                                     train.num_clients)
+            else:
+                steps = kit.pop("steps")
+                history = run(algorithm, params, source, evaluate, rounds=steps,
+                              round_callbacks=round_callbacks, progress=progress,
+                              schedule=schedule, **kit)
+    except FloatingPointError as err:
+        writer.start()
+        summary = summarize(config, writer.records, time.perf_counter() - started, execution,
+                            plan=plan)
+        summary.update(status="diverged", diverged_at_round=getattr(err, "round", None),
+                       error=str(err))
+        summary.update(feature_summaries(config, params, attack, tally))
+        write_outputs(out, summary, writer.records, label, title)
+        raise
+    finally:
+        for callback in callbacks:
+            getattr(callback, "close", lambda: None)()
+    summary = summarize(config, history.records, time.perf_counter() - started, execution,
+                        resumed_from=history.resumed_from, plan=plan)
+    summary.update(feature_summaries(config, params, attack, tally))
+    write_outputs(out, summary, history.records, label, title)
+    return summary
+
+
+def _recorders(config: Config, out: Path, tensorboard: bool):
+    """``(writer, callbacks, round_callbacks, tally)``: ``metrics.jsonl``'s writer (whose
+    first record replaces a fresh run's earlier outputs), the TensorBoard logger and the
+    summary's per-round tally."""
 
     def replace_earlier_outputs() -> None:
         for name in ("summary.json", "accuracy.png", "client_accuracy.png"):
@@ -143,75 +194,32 @@ def run_experiment(
     tally = RoundTally(TALLIED)  # the summary's totals over every round
     callbacks.append(tally)
     round_callbacks.append(tally.on_round)
-    label = label or config.algorithm
-    title = title or label or out.name
-    started = time.perf_counter()
-    source = PartitionSource(train, config.client_fraction, config.local_epochs,
-                             config.batch_size, config.seed, config.stragglers,
-                             config.drop_stragglers,
-                             sampling="fixed" if plan is None else config.privacy.sampling)
-    if config.server.lr == "learned":
-        # the holdout cohort is the train cohort's size m unless set (under privacy the plan
-        # requires m: its hypergradient's fixed denominator and sampling rate)
-        source = HoldoutSource(source, config.learned_lr.holdout_clients
-                               or cohort_size(config, train.num_clients))
-    try:
-        with preferred_cpu_dots(cpu_dots_for(config.model, config.precision)):
-            if config.execution.mode == "async":
-                history = _run_async(config, algorithm, params, source, evaluate, execution,
-                                     callbacks, out, resume, train.num_clients, plan)
-            else:
-                history = run(
-                    algorithm,
-                    params,
-                    source,
-                    evaluate,
-                    # A privacy budget ends the run before the round that would exceed it.
-                    rounds=config.rounds if plan is None else plan.rounds,
-                    seed=config.seed,
-                    eval_every=config.eval_every,
-                    target_accuracy=config.target_accuracy,
-                    stop_at_target=config.stop_at_target,
-                    execution=execution,
-                    callbacks=callbacks,
-                    round_callbacks=round_callbacks,
-                    progress=progress,
-                    checkpoint_dir=out / "checkpoints",
-                    checkpoint_every=config.checkpoint_every,
-                    resume=resume,
-                    # The algorithm, model and data choices the runner cannot see. How often
-                    # to save does not change the run, so a resumed run may save more or
-                    # less often.
-                    fingerprint=_fingerprint(config),
-                    schedule=schedule,
-                    record_fields=None if plan is None else (
-                        lambda t: {"epsilon": plan.epsilon(t)}),
-                    max_rejected_fraction=config.max_rejected_fraction,
-                )
-    except FloatingPointError as err:
-        writer.start()
-        summary = summarize(config, writer.records, time.perf_counter() - started, execution,
-                            plan=plan)
-        summary.update(status="diverged", diverged_at_round=getattr(err, "round", None),
-                       error=str(err))
-        summary.update(feature_summaries(config, params, attack, tally))
-        write_outputs(out, summary, writer.records, label, title)
-        raise
-    finally:
-        for callback in callbacks:
-            getattr(callback, "close", lambda: None)()
-    summary = summarize(config, history.records, time.perf_counter() - started, execution,
-                        resumed_from=history.resumed_from, plan=plan)
-    summary.update(feature_summaries(config, params, attack, tally))
-    write_outputs(out, summary, history.records, label, title)
-    return summary
+    return writer, callbacks, round_callbacks, tally
 
 
-def _run_async(config: Config, algorithm, params, source, evaluate, execution, callbacks,
-               out: Path, resume: bool, num_clients: int, plan: PrivacyPlan | None):
+def _run_kit(config: Config, plan: PrivacyPlan | None, execution: Execution,
+             callbacks: list[Any], out: Path, resume: bool) -> dict[str, Any]:
+    """The keyword arguments both simulated engines take (``steps`` the rounds or server
+    updates): a privacy budget ends the run before the step that would exceed it, and the
+    fingerprint holds the algorithm, model and data choices the runner cannot see (how often
+    to save does not change the run, so a resumed run may save more or less often)."""
+    return {"steps": config.rounds if plan is None else plan.rounds, "seed": config.seed,
+            "eval_every": config.eval_every, "target_accuracy": config.target_accuracy,
+            "stop_at_target": config.stop_at_target, "execution": execution,
+            "callbacks": callbacks, "checkpoint_dir": out / "checkpoints",
+            "checkpoint_every": config.checkpoint_every, "resume": resume,
+            "fingerprint": _fingerprint(config),
+            "record_fields": None if plan is None else (
+                lambda t: {"epsilon": plan.epsilon(t)}),
+            "max_rejected_fraction": config.max_rejected_fraction}
+
+
+def _run_async(config: Config, algorithm, params, source, evaluate, kit: dict[str, Any],
+               num_clients: int):
     """``execution.mode: async``: FedBuff on the virtual clock over the same algorithm,
     data, evaluation and outputs, ``rounds`` server updates of ``asynchronous.buffer_size``
-    updates each (``fedax.simulation.asynchronous.run_async``)."""
+    updates each (``fedax.simulation.asynchronous.run_async``; with privacy, lockstep
+    only: a flush is a round)."""
     from fedax.simulation.asynchronous import AsyncConfig, Latency, Staleness, run_async
 
     a = config.asynchronous
@@ -220,18 +228,9 @@ def _run_async(config: Config, algorithm, params, source, evaluate, execution, c
         buffer_size=a.buffer_size or m, concurrency=a.concurrency or m,
         staleness=Staleness(**a.staleness.model_dump()), max_staleness=a.max_staleness,
         latency=Latency(**a.latency.model_dump()), weighting=a.weighting)
-    return run_async(algorithm, params, source, evaluate, settings,
-                     # with privacy (lockstep only: a flush is a round) the budget ends it
-                     server_updates=config.rounds if plan is None else plan.rounds,
-                     seed=config.seed,
-                     record_fields=None if plan is None else (
-                         lambda t: {"epsilon": plan.epsilon(t)}),
-                     eval_every=config.eval_every, target_accuracy=config.target_accuracy,
-                     stop_at_target=config.stop_at_target, execution=execution,
-                     callbacks=callbacks, checkpoint_dir=out / "checkpoints",
-                     checkpoint_every=config.checkpoint_every, resume=resume,
-                     fingerprint=_fingerprint(config),
-                     max_rejected_fraction=config.max_rejected_fraction)
+    steps = kit.pop("steps")
+    return run_async(algorithm, params, source, evaluate, settings, server_updates=steps,
+                     **kit)
 
 
 def _run_network(config: Config, out_dir: str | Path, **options) -> dict[str, Any]:

@@ -150,7 +150,7 @@ else:
         **_server_fields())
 
 
-def _resolve_server(algorithm: str, server: BaseModel,
+def _resolve_server(algorithm: str, server: ServerConfig,
                     learned_init: float | None = None) -> ResolvedServerOptimizer:
     """The server optimizer of ``algorithm`` with ``server``'s keys; a key that does not apply
     raises ``_KeyedError`` naming it (``server.<key>``)."""

@@ -10,7 +10,7 @@ runs it as its horizon variants.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -91,4 +91,5 @@ def learned_server_lr_carried(
     def server_params(state: CarriedState):
         return make_algorithm(jnp.exp(state.log_lr)).server_params(state.inner)
 
-    return FederatedAlgorithm(init, round_fn, server_params)
+    # FederatedAlgorithm types a round's cohort as CohortBatches; this one's is a HyperCohort
+    return FederatedAlgorithm(init, cast(Any, round_fn), server_params)

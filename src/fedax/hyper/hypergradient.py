@@ -25,7 +25,7 @@ model) — instead of T times that.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import jax
 import jax.numpy as jnp
@@ -54,13 +54,14 @@ def loss_after_rounds(
     ``evaluate(params, eval_cohort, key)`` replaces ``federated_loss`` (e.g.
     ``fedax.hyper.secure_loss``); its key is ``fold_in(key, T)``."""
     algorithm = make_algorithm(hparams)
-    state = algorithm.init(params, key)
+    # FederatedAlgorithm types its keys jax.Array; its functions take None (no randomness)
+    state = algorithm.init(params, cast(jax.Array, key))
     num_rounds = jax.tree.leaves(cohorts)[0].shape[0]
 
     def one_round(state, inputs):
         cohort, t = inputs
         round_key = None if key is None else jax.random.fold_in(key, t)
-        state, _ = algorithm.round(state, cohort, round_key)
+        state, _ = algorithm.round(state, cohort, cast(jax.Array, round_key))
         return state, None
 
     body = jax.checkpoint(one_round) if remat else one_round

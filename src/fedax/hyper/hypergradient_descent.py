@@ -13,7 +13,7 @@ model; reverse mode: a mirrored exchange), and an optax hyper-optimizer updates 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -91,4 +91,5 @@ def hypergradient_descent(
     def server_params(state: HyperState):
         return make_algorithm(state.hparams).server_params(state.inner)
 
-    return FederatedAlgorithm(init, round_fn, server_params)
+    # FederatedAlgorithm types a round's cohort as CohortBatches; this one's is a HyperCohort
+    return FederatedAlgorithm(init, cast(Any, round_fn), server_params)

@@ -100,7 +100,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +194,7 @@ def _forward_private_total(values: jax.Array, privacy: HoldoutPrivacy, value_key
     @jax.custom_jvp
     def total(v):
         if privacy.release_loss:
+            assert privacy.loss_clip is not None  # release_loss needs it (__post_init__)
             return private_sum(v, clip=privacy.loss_clip, noise_multiplier=z, key=value_key)
         return jnp.zeros(v.shape[1:], v.dtype)
 
@@ -201,6 +202,7 @@ def _forward_private_total(values: jax.Array, privacy: HoldoutPrivacy, value_key
     def total_jvp(primals, tangents):
         (v,), (t,) = primals, tangents
         _, t = jax.jvp(clipped, (v,), (t,))
+        assert privacy.tangent_clip is not None  # forward mode: privacy.check
         return total(v), private_sum(t, clip=privacy.tangent_clip, noise_multiplier=z,
                                      key=tangent_key)
 
@@ -229,6 +231,7 @@ def private_federated_loss(loss_fn: LossFn, params: Any, cohort: CohortBatches,
     value_key, derivative_key = (None, None) if key is None else jax.random.split(key)
     n = cohort.num_examples.shape[0]
     if mode == "reverse":
+        assert privacy.grad_clip is not None  # reverse mode: privacy.check
         at_clients = private_broadcast(params, n, clip=privacy.grad_clip / denominator,
                                        noise_multiplier=z, key=derivative_key)
     else:
@@ -240,6 +243,7 @@ def private_federated_loss(loss_fn: LossFn, params: Any, cohort: CohortBatches,
     if mode == "forward":
         total = _forward_private_total(losses, privacy, value_key, derivative_key)
     elif privacy.release_loss:
+        assert privacy.loss_clip is not None  # release_loss needs it (__post_init__)
         total = private_sum(losses, clip=privacy.loss_clip, noise_multiplier=z, key=value_key)
     else:
         if privacy.loss_clip is not None:
@@ -307,7 +311,8 @@ def private_learned_server_lr(
             metrics["holdout_loss"] = loss
         return HyperState(inner, log_lr, hyper_state), metrics
 
-    return FederatedAlgorithm(init, round_fn, lambda state: algorithm.server_params(
+    # FederatedAlgorithm types a round's cohort as CohortBatches; this one's is a HyperCohort
+    return FederatedAlgorithm(init, cast(Any, round_fn), lambda state: algorithm.server_params(
         state.inner))
 
 

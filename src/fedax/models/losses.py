@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+# Labels and masks: jax arrays, or the host numpy arrays of ``Batches``.
+_Array = jax.Array | np.ndarray
 
-def per_example_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+
+def per_example_cross_entropy(logits: jax.Array, labels: _Array) -> jax.Array:
     """``-log softmax(logits)[label]`` per example: ``[..., K]``, ``[...]`` -> ``[...]``."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
-def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+def masked_mean(values: jax.Array, mask: _Array | None = None) -> jax.Array:
     """``sum(mask * values) / max(sum(mask), 1)``; the plain mean when ``mask`` is None."""
     if mask is None:
         return jnp.mean(values)
@@ -29,7 +33,7 @@ def masked_mean(values: jax.Array, mask: jax.Array | None = None) -> jax.Array:
 
 
 def softmax_cross_entropy(
-    logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None
+    logits: jax.Array, labels: _Array, mask: _Array | None = None
 ) -> jax.Array:
     """Mean softmax cross-entropy over the (unmasked) examples.
 
@@ -44,13 +48,13 @@ def softmax_cross_entropy(
     return masked_mean(per_example_cross_entropy(logits, labels), mask)
 
 
-def accuracy(logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+def accuracy(logits: jax.Array, labels: _Array, mask: _Array | None = None) -> jax.Array:
     """Fraction of (unmasked) examples with ``argmax(logits) == label``; 0 if none."""
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(logits.dtype)
     return masked_mean(correct, mask)
 
 
-def _token_weights(labels: jax.Array, mask: jax.Array | None, pad_id: int) -> jax.Array:
+def _token_weights(labels: _Array, mask: _Array | None, pad_id: int) -> jax.Array:
     """Float weights ``[..., T]``: 1 for a non-pad target of a real (unmasked) sequence."""
     weights = (labels != pad_id).astype(jnp.float32)
     if mask is not None:
@@ -59,7 +63,7 @@ def _token_weights(labels: jax.Array, mask: jax.Array | None, pad_id: int) -> ja
 
 
 def token_cross_entropy(
-    logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None, pad_id: int = 0
+    logits: jax.Array, labels: _Array, mask: _Array | None = None, pad_id: int = 0
 ) -> jax.Array:
     """Mean next-token cross-entropy over the non-pad targets of the real sequences.
 
@@ -79,7 +83,7 @@ def token_cross_entropy(
 
 
 def token_accuracy(
-    logits: jax.Array, labels: jax.Array, mask: jax.Array | None = None, pad_id: int = 0
+    logits: jax.Array, labels: _Array, mask: _Array | None = None, pad_id: int = 0
 ) -> jax.Array:
     """Fraction of non-pad targets of real sequences with ``argmax(logits) == label``.
 

@@ -245,7 +245,7 @@ def char_lstm(
 
     def init(key: jax.Array) -> Params:
         k_embed, k_out, *k_layers = jax.random.split(key, 2 + layers)
-        params = {
+        params: Params = {
             "embed": jax.random.uniform(
                 k_embed,
                 (vocab_size, embed_dim),

@@ -80,7 +80,8 @@ def finish(paper: Paper, results: dict[str, Any], out: Path,
     if paper.kind == "table":
         results["figures"] = figures(paper, results["cells"], out, results["target_accuracy"])
     else:
-        drawn = module.figures(paper, results, out) if hasattr(module, "figures") else []
+        drawn = (module.figures(paper, results, out)
+                 if module is not None and hasattr(module, "figures") else [])
         results["figures"] = drawn + draw_figures(paper, results, out)
     results = finite_json(results)[0]  # NaN and inf are stored (and reported) as null
     write_json(out / "results.json", results, indent=1)

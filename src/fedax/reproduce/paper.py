@@ -15,6 +15,7 @@ its prose. Unknown keys are refused, one line naming the file and the key.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,7 +138,7 @@ def parse_paper(data: Any, path: Path | None = None) -> Paper:
     return Paper(**fields, path=path)
 
 
-def load_paper(path: str | Path) -> Paper:
+def load_paper(path: str | os.PathLike[str]) -> Paper:
     """The paper file at ``path`` (a ConfigError names the file when it is not one)."""
     path = Path(path)
     try:
@@ -154,7 +155,7 @@ def paper_files() -> dict[str, Path]:
     return {p.stem: p for p in sorted(PAPERS_DIR.glob("*.yaml"))}
 
 
-def get_paper(name: str | Path) -> Paper:
+def get_paper(name: str | os.PathLike[str]) -> Paper:
     """A shipped paper by name, or any paper file by its path (``*.yaml``)."""
     if str(name).endswith((".yaml", ".yml")):
         return load_paper(name)

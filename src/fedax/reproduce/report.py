@@ -213,7 +213,7 @@ def _columns(specs: list[Any], names: dict[str, Any]) -> list[tuple[str, str, di
     """``(header, value template, bindings, alignment)`` of each column of a table section
     (``[header, template]`` or ``[header, template, alignment]``; ``{for, header, value,
     align}``): the alignment is ``left`` (the default), ``right`` or ``center``."""
-    columns = []
+    columns: list[tuple[str, str, dict, str]] = []
     for spec in specs:
         if isinstance(spec, list):
             columns.append((render(spec[0], names), spec[1], {}, (spec[2:] or ["left"])[0]))

@@ -143,7 +143,7 @@ def _diverged_summary(config: Config, out: Path, wanted: dict[str, Any]) -> dict
     """A grid point whose model diverged (a learning rate too large) is a point that did not
     win, not the end of the reproduction: its summary is read from the records it left."""
     records = _read_records(out)
-    last = records[-1] if records else {"round": 0, "elapsed_s": 0.0}
+    last: dict[str, Any] = records[-1] if records else {"round": 0, "elapsed_s": 0.0}
     summary = _from_records(config, wanted, records, last["round"], last["elapsed_s"],
                             diverged=True)
     write_json(out / "summary.json", summary)

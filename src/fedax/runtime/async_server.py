@@ -224,6 +224,7 @@ class AsyncServer(Server):
         self.history.append(record)
         self._save(dict(self.included))
         self._log(record)
+        self._closed(record)
 
     # -------------------------------------------------------------- the protocol
 

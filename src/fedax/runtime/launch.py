@@ -131,11 +131,24 @@ def _spawn_clients(config: Config, setup: Path, out: Path, port: int,
     return procs
 
 
-def _records(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The server's closed rounds as the simulator's records (``round`` counts rounds
-    done), with the network's numbers."""
-    return [{"round": r["round"] + 1, **{k: v for k, v in r.items() if k != "round"}}
-            for r in history]
+def _record(closed: dict[str, Any], plan: Any) -> dict[str, Any]:
+    """A server's closed round as the simulator's record (``round`` counts rounds done),
+    with the network's numbers and, under privacy, the ε spent so far."""
+    record = {"round": closed["round"] + 1,
+              **{k: v for k, v in closed.items() if k != "round"}}
+    if plan is not None:
+        record["epsilon"] = plan.epsilon(record["round"])
+    return record
+
+
+def _record_writer(server: Server, out: Path, plan: Any, resume: bool) -> JsonlWriter:
+    """``metrics.jsonl`` as the rounds close (each record once its round is checkpointed;
+    a resumed run's file first holds the checkpoint's rounds, as the simulator's does)."""
+    writer = JsonlWriter(out / "metrics.jsonl")
+    if resume and server.history:
+        writer.on_resume([_record(r, plan) for r in server.history])
+    server.on_round.append(lambda closed: writer(_record(closed, plan)))
+    return writer
 
 
 def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
@@ -206,6 +219,7 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
         server.client_eval = lambda done: not done % config.eval_every or done == rounds
         server.client_eval_target = config.target_accuracy
     running.append(server)
+    writer = _record_writer(server, out, plan, resume)
     started = time.perf_counter()
     port = server.start()
     if progress:
@@ -225,13 +239,6 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
-    records = _records(server.history)
-    if plan is not None:  # ε spent by the rounds so far, in every record (as the simulator)
-        for record in records:
-            record["epsilon"] = plan.epsilon(record["round"])
-    writer = JsonlWriter(out / "metrics.jsonl")
-    for record in records:
-        writer(record)
     summary = summarize(config, writer.records, time.perf_counter() - started,
                         {"mode": "network", "local_clients": net.local_clients,
                          "port": port}, plan=plan)

@@ -203,6 +203,9 @@ class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
         self.chunk_bytes: dict[int, int] = {}  # negotiated at Join
         self.included: dict[int, tuple[int, int]] = {}
         self.history: list[dict[str, Any]] = []  # closed rounds (kept in the checkpoint)
+        # called with each closed round's record once it is checkpointed (a run's
+        # metrics.jsonl as it goes: fedax.runtime.launch)
+        self.on_round: list[Callable[[dict[str, Any]], None]] = []
         self.records: list[dict[str, Any]] = []  # every attempt, closed or retried
         self.rejections = Rejections()
         self._refusals = RateLimitedLog()

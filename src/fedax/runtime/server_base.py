@@ -59,6 +59,7 @@ class ServerBase:
     chunk_bytes: dict[int, int]
     included: dict[int, tuple[int, int]]
     history: list[dict[str, Any]]
+    on_round: list[Callable[[dict[str, Any]], None]]
     records: list[dict[str, Any]]
     rejections: Rejections
     _refusals: RateLimitedLog
@@ -86,6 +87,8 @@ class ServerBase:
                             env: Any) -> tuple[Any, tuple[str, str] | None]: ...
 
         def _log(self, record: dict[str, Any]) -> None: ...
+
+        def _closed(self, record: dict[str, Any]) -> None: ...
 
         def _learned_checkpoint(self) -> dict[str, Any]: ...
 

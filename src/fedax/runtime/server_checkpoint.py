@@ -47,6 +47,12 @@ class ServerCheckpoints(ServerBase):
         with self._lock:
             self.included = included
         self._log(record)
+        self._closed(record)
+
+    def _closed(self, record: dict[str, Any]) -> None:
+        """A closed round's record, checkpointed: each ``on_round`` callback gets it."""
+        for callback in self.on_round:
+            callback(record)
 
     def _log(self, record: dict[str, Any]) -> None:
         self.records.append(record)

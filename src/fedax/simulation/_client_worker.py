@@ -28,6 +28,8 @@ import struct
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from typing import Any, cast
 
 
 def read_message(fd: int) -> tuple[dict, bytes]:
@@ -89,14 +91,15 @@ def main(core: int, rfd: int, wfd: int) -> None:
 
     from fedax.simulation.host import compiler_options
 
-    programs: dict[str, object] = {}
+    programs: dict[str, Callable[..., Any]] = {}
     segments: dict[str, shared_memory.SharedMemory] = {}
 
     def segment(name: str) -> shared_memory.SharedMemory:
         if name not in segments:
             shm = shared_memory.SharedMemory(name=name)
             # The parent owns the segment; this process must not unlink it at exit.
-            resource_tracker.unregister(shm._name, "shared_memory")
+            # (_name, private: the name it was registered under; typeshed omits it)
+            resource_tracker.unregister(cast(Any, shm)._name, "shared_memory")
             segments[name] = shm
         return segments[name]
 

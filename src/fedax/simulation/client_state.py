@@ -91,8 +91,9 @@ class ClientStateStore:
                 raise ValueError(
                     f"{path} holds {array.dtype} {array.shape}, the template needs {dtype} {full}"
                 )
-            if isinstance(getattr(array, "_mmap", None), mmap.mmap):
-                _advise(array._mmap, "MADV_RANDOM")
+            mapped = getattr(array, "_mmap", None)  # (numpy's private mapping)
+            if isinstance(mapped, mmap.mmap):
+                _advise(mapped, "MADV_RANDOM")
             self.arrays.append(array)
 
     @property
@@ -110,7 +111,8 @@ class ClientStateStore:
         ids = _client_ids(ids, self.num_clients)
         if len(np.unique(ids)) != len(ids):
             raise ValueError("scatter needs distinct client ids")
-        leaves = self.treedef.flatten_up_to(values)
+        # jaxlib ships no stub for PyTreeDef (its flatten_up_to is real)
+        leaves = self.treedef.flatten_up_to(values)  # type: ignore[attr-defined]
         for array, value, shape in zip(self.arrays, leaves, self.shapes, strict=True):
             value = np.asarray(value)
             if value.shape != (len(ids), *shape):

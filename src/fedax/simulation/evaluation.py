@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +87,7 @@ class ClientScores(NamedTuple):
 
     accuracy: np.ndarray
     loss: np.ndarray
-    count: np.ndarray
+    count: np.ndarray  # type: ignore[assignment]  # the field shadows tuple.count (API)
 
 
 def client_index(parts: Sequence[np.ndarray], n: int) -> np.ndarray:
@@ -165,8 +165,8 @@ def make_client_evaluator(
     xs = jnp.asarray(padded(x)).reshape(chunks, chunk, *x.shape[1:])
     ys = jnp.asarray(padded(y).astype(np.int32)).reshape(chunks, chunk, *y.shape[1:])
     # Padding and examples of no client go to an extra segment K, dropped from the clients.
-    owner = np.where(clients >= 0, clients, num_clients).astype(np.int32)
-    owner = jnp.asarray(padded(owner, num_clients)).reshape(chunks, chunk)
+    owners = np.where(clients >= 0, clients, num_clients).astype(np.int32)
+    owner = jnp.asarray(padded(owners, num_clients)).reshape(chunks, chunk)
     mask = jnp.asarray(np.arange(chunks * chunk) < n, jnp.float32).reshape(chunks, chunk)
 
     @jax.jit
@@ -212,5 +212,5 @@ def make_client_evaluator(
                 "test_loss": float(nll.sum() / total),
                 **distribution(per_client, target)}
 
-    evaluate.scores = client_scores
+    cast(Any, evaluate).scores = client_scores  # (a function attribute)
     return evaluate

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,10 @@ import jax.numpy as jnp
 from fedax import federated as fed
 from fedax.client import steps_strategy
 from fedax.simulation.host import usable_cores
+
+if TYPE_CHECKING:
+    from fedax.client.local_training import StepsStrategy
+    from fedax.federated._map import MapStrategy
 
 MAP_STRATEGIES = ("vmap", "sequential", "unroll", "lockstep", "processes")
 STEPS_STRATEGIES = ("scan", "unroll")
@@ -85,12 +89,14 @@ class Execution(NamedTuple):
 def use_execution(execution: Execution) -> Iterator[None]:
     """Trace federated code under ``execution`` (enter this around ``jax.jit`` tracing)."""
     execution.validate()
-    strategy = execution.map
-    if strategy == "processes":
+    strategy: MapStrategy | fed.ClientMapper
+    if execution.map == "processes":
         from fedax.simulation.processes import client_processes
 
         strategy = client_processes(execution.devices)
-    with fed.map_strategy(strategy), steps_strategy(execution.steps):
+    else:
+        strategy = cast("MapStrategy", execution.map)  # validated: one of MAP_STRATEGIES
+    with fed.map_strategy(strategy), steps_strategy(cast("StepsStrategy", execution.steps)):
         yield
 
 
@@ -144,6 +150,7 @@ def choose_execution(
     map_ = default_map if map_choice == "auto" else map_choice
     if devices == "auto":
         devices = cores if map_ == "processes" else jax.device_count()
+    assert isinstance(devices, int)  # (an int, or "auto" resolved above)
     return Execution(map_, "scan" if steps_choice == "auto" else steps_choice,
                      devices).validate()
 

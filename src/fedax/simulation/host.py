@@ -31,7 +31,9 @@ def cpu_dots_for(model: str | None, precision: str = "float32") -> str | None:
     """The product kernels fedax prefers for ``model`` (a ``fedax run`` model name) at
     ``precision``: YNNPACK for bfloat16 (Eigen's bfloat16 products are several times
     slower), :data:`MODEL_CPU_DOTS` otherwise; None: fedax's default."""
-    return "ynn" if precision == "bfloat16" else MODEL_CPU_DOTS.get(model)
+    if precision == "bfloat16":
+        return "ynn"
+    return MODEL_CPU_DOTS.get(model) if model is not None else None
 
 
 _PREFERRED_CPU_DOTS: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -62,7 +64,7 @@ def cpu_dots() -> str:
 
 
 def compiler_options(backend: str | None = None, dots: str | None = None
-                     ) -> dict[str, str] | None:
+                     ) -> dict[str, str | bool] | None:
     """XLA compiler options for a compiled round on ``backend`` (default: JAX's default).
 
     On CPU, matrix products are left to XLA's own (Eigen) kernels instead of YNNPACK's,

@@ -318,13 +318,15 @@ class ClientProcesses:
                     "in": {"name": shm_in.name, "leaves": in_leaves},
                     "out": {"name": shm_out.name, "leaves": out_leaves},
                 })
-            results = [[] for _ in result_shapes]
+            results: list[list[np.ndarray]] = [[] for _ in result_shapes]
             self.last_timing = {"send_s": time.perf_counter() - start, "workers_s": [],
                                 "in_bytes": [in_size] * len(pool)}
             for w, worker in enumerate(pool):
                 self.last_timing["workers_s"].append(worker.reply()["seconds"])
                 real = min(n, (w + 1) * block) - w * block  # the block's clients, no padding
-                buf = worker.segments["out"].buf
+                segment = worker.segments["out"]
+                assert segment is not None  # made for this round (worker.segment above)
+                buf = segment.buf
                 for i, (offset, dtype, shape) in enumerate(out_leaves):
                     view = np.ndarray(tuple(shape), np.dtype(dtype), buffer=buf, offset=offset)
                     results[i].append(view[:real])

@@ -56,7 +56,8 @@ class RoundData(NamedTuple):
 
 
 class CohortSource(Protocol):
-    num_clients: int
+    @property
+    def num_clients(self) -> int: ...  # (read-only: the sources' is a property)
 
     def place(self, home) -> Any: ...
 
@@ -146,6 +147,7 @@ class PartitionSource:
 
     def _poisson_ids(self, rng: np.random.Generator, t: int) -> np.ndarray:
         ids = np.nonzero(rng.random(self.train.num_clients) < self.client_fraction)[0]
+        assert self.capacity is not None  # Poisson sampling has one (__post_init__)
         if len(ids) > self.capacity:
             raise RuntimeError(
                 f"round {t}: Poisson sampling drew {len(ids)} clients, more than the cohort "

@@ -22,13 +22,22 @@ that did less than E epochs.
 from __future__ import annotations
 
 import numbers
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-CohortT = TypeVar("CohortT")
+CohortT = TypeVar("CohortT", bound="_WithNumExamples")
+
+
+class _WithNumExamples(Protocol):
+    """A cohort NamedTuple with a ``num_examples [C]`` field."""
+
+    @property
+    def num_examples(self) -> Any: ...
+
+    def _replace(self: CohortT, *, num_examples: Any) -> CohortT: ...
 
 
 def straggler_epochs(

@@ -98,9 +98,9 @@ class TensorBoardLogger:
         for name, value in record.items():
             if name in _NOT_METRICS:
                 continue
-            number = _number(value)
-            if number is not None:
-                writer.add_scalar(tag(name), number, step)
+            scalar = _number(value)
+            if scalar is not None:
+                writer.add_scalar(tag(name), scalar, step)
             elif isinstance(value, list) and value:
                 array = np.asarray(value, dtype=np.float64)
                 if array.ndim >= 1 and np.all(np.isfinite(array)):

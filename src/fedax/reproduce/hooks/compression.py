@@ -26,7 +26,9 @@ def message_bytes(section: Mapping[str, Any] | None, seed: int = 0) -> int:
     if section is None:
         return 4 * sum(math.prod(a.shape) for a in jax.tree.leaves(template)) + 4
     options = {k: v for k, v in section.items() if k not in ("scheme", "error_feedback")}
-    return code_bytes(make_compressor(section["scheme"], seed=seed, **options), template) + 4
+    code = make_compressor(section["scheme"], seed=seed, **options)
+    assert code is not None  # a section's scheme is never "none" (the config's schemes)
+    return code_bytes(code, template) + 4
 
 
 def mean_estimation(dim: int = 1 << 14, clients: int = 10, trials: int = 20,

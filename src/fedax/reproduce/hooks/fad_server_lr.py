@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -83,8 +83,9 @@ class Task:
         ids = sample(rng, self._pool(pool), s["clients_per_round"])
         steps = num_local_steps(int(train.sizes.max()), s["epochs"], s["batch"])
         c = make_cohort(train, ids, s["epochs"], s["batch"], rng, num_steps=steps)
+        # host arrays (CohortBatches types its counts jax.Array; the jitted round takes both)
         return CohortBatches(Batches(train.x[c.idx], train.y[c.idx].astype(np.int32), c.mask),
-                             c.num_examples, c.client_ids)
+                             cast(jax.Array, c.num_examples), cast(jax.Array, c.client_ids))
 
     def holdout(self, seed: int, t: int, clients: int,
                 pool: np.ndarray | None = None) -> CohortBatches:
@@ -98,7 +99,8 @@ class Task:
             own = train.client_indices(int(k))
             idx[c, 0, :len(own)], mask[c, 0, :len(own)] = own, 1.0
         return CohortBatches(Batches(train.x[idx], train.y[idx].astype(np.int32), mask),
-                             train.sizes[ids].astype(np.float32), np.asarray(ids, np.int32))
+                             cast(jax.Array, train.sizes[ids].astype(np.float32)),
+                             cast(jax.Array, np.asarray(ids, np.int32)))
 
 
 def load_task(spec: Mapping[str, Any], seed: int) -> Task:

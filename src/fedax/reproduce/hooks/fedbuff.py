@@ -57,7 +57,8 @@ def _history(method: str, setting: Mapping[str, Any], settings: Mapping[str, Any
 
     params, source, evaluate, algorithm = loaded
     # One device for every method (run_async's), so sync FedAvg runs the same programs.
-    common = {"seed": seed, "execution": choose_execution(params=params, devices=1)}
+    common: dict[str, Any] = {"seed": seed,
+                              "execution": choose_execution(params=params, devices=1)}
     latency = fa.Latency(**settings["latency"])
     staleness = fa.Staleness("polynomial", settings["staleness_exponent"])
     updates, every, m = (settings["client_updates"], settings["eval_every_updates"],

@@ -94,7 +94,7 @@ class Latency(NamedTuple):
     def durations(self, rng: np.random.Generator, num_examples: np.ndarray) -> np.ndarray:
         """float64 ``[C]`` trip durations of one block, ``num_examples`` its clients' n_k."""
         n = np.asarray(num_examples, np.float64)
-        c = n.shape[0]
+        c: int = n.shape[0]  # (an int: numpy's size overloads then give arrays)
         if self.kind == "constant":
             return np.full(c, float(self.mean))
         if self.kind == "half_normal":
