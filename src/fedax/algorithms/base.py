@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from fedax import federated as fed
 from fedax.aggregators import Aggregator, client_stage, mean, reduce_stage, round_keys
+from fedax.algorithms.round_metrics import merge_metrics, spread_metrics
 from fedax.client import Batches, LossFn, decoded
 
 
@@ -272,41 +273,6 @@ def init_state(pieces: RoundPieces, params: Any, num_clients: int | None = None)
                       jnp.zeros((), jnp.int32))
 
 
-def spread_metrics(stats: dict[str, jax.Array], names: tuple[str, ...],
-                   num_examples: jax.Array) -> dict[str, jax.Array]:
-    """The spread over the cohort of the client-placed ``[C]`` stats ``names``: for each,
-    ``<name>_min``, ``<name>_max`` and ``<name>_total`` (their sum) over the real clients
-    (n_k > 0, accepted or not: the work they did; a non-finite value counts as 0) and
-    ``<name>_per_client``, the ``[C]`` values at the server (0 for padding clients; the
-    TensorBoard logger writes it as a histogram). One ``fed.collect`` of C scalars each."""
-    if not names:
-        return {}
-    values, n = fed.collect(({name: stats[name] for name in names}, num_examples))
-    real = n > 0
-    out = {}
-    for name, v in values.items():
-        counted = jnp.logical_and(real, jnp.isfinite(v))
-        v = jnp.where(counted, v, jnp.zeros((), v.dtype))
-        any_real = jnp.any(counted)
-        low = jnp.min(jnp.where(counted, v, jnp.asarray(jnp.inf, v.dtype)))
-        high = jnp.max(jnp.where(counted, v, jnp.asarray(-jnp.inf, v.dtype)))
-        out[f"{name}_min"] = jnp.where(any_real, low, jnp.zeros((), v.dtype))
-        out[f"{name}_max"] = jnp.where(any_real, high, jnp.zeros((), v.dtype))
-        out[f"{name}_total"] = jnp.sum(v)
-        out[f"{name}_per_client"] = v
-    return out
-
-
-def _merge(*dicts: dict[str, Any]) -> dict[str, Any]:
-    merged: dict[str, Any] = {}
-    for d in dicts:
-        clash = set(merged) & set(d)
-        if clash:
-            raise ValueError(f"a round reports the metric(s) {sorted(clash)} twice.")
-        merged.update(d)
-    return merged
-
-
 def client_training_keys(key: jax.Array | None, num_clients: int) -> jax.Array | None:
     """``[C, ...]`` raw keys of the clients' own training (the client updates' ``key``,
     e.g. example-level DP-SGD's noise) in a simulated round: ``split(fold_in(key,
@@ -407,7 +373,7 @@ def server_half(
         sums = fed.sum(sums)
     means = {name: fed.weighted_mean(s, counted) for name, s in stats.items()}
     return apply_aggregate(pieces, state, value, aggregator_state, sums,
-                           _merge(means, extra_metrics or {}, aggregator_metrics))
+                           merge_metrics(means, extra_metrics or {}, aggregator_metrics))
 
 
 def apply_aggregate(pieces: RoundPieces, state: RoundState, value: Any, aggregator_state: Any,
@@ -418,7 +384,7 @@ def apply_aggregate(pieces: RoundPieces, state: RoundState, value: Any, aggregat
     ``metrics`` (the round's so far) gain the server update's."""
     server, server_metrics = pieces.server_update(state.server, value, sums)
     return (RoundState(server, aggregator_state, state.clients, state.round + 1),
-            _merge(metrics, server_metrics))
+            merge_metrics(metrics, server_metrics))
 
 
 def apply_reduced(pieces: RoundPieces, state: RoundState, total: Any, key: jax.Array | None
@@ -483,7 +449,7 @@ def cohort_round(
         pieces, state, keep_clients(message.update, accepted.finite), accepted.weights,
         message.stats, sums, counted, key, accepted.finite,
         extra_metrics={"rejected_clients": accepted.rejected})
-    metrics = _merge(metrics, spread_metrics(message.stats, pieces.spread,
+    metrics = merge_metrics(metrics, spread_metrics(message.stats, pieces.spread,
                                              cohort.num_examples))
     written = jnp.logical_and(cohort.num_examples > 0, accepted.finite)
     return new_state, metrics, message.client_state, written
@@ -542,7 +508,7 @@ def fused_cohort_round(
     new_state, metrics = server_half(
         pieces, state, None, kept.weight, kept.stats, None, counted, key, kept.finite,
         extra_metrics={"rejected_clients": fed.sum(bad)}, summed=summed)
-    metrics = _merge(metrics, spread_metrics(kept.stats, pieces.spread,
+    metrics = merge_metrics(metrics, spread_metrics(kept.stats, pieces.spread,
                                              cohort.num_examples))
     written = jnp.logical_and(cohort.num_examples > 0, kept.finite)
     return new_state, metrics, kept.client_state, written

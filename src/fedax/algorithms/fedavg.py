@@ -131,7 +131,7 @@ def fedavg(
       ``accept_finite``) and the aggregator's metrics. With ``local_stopping`` also
       ``stopped_early`` (the n_k-weighted fraction of clients whose criterion fired) and
       the spread of the steps taken (``local_steps_min``, ``_max``, ``_total``,
-      ``_per_client``; ``fedax.algorithms.base.spread_metrics``).
+      ``_per_client``; ``fedax.algorithms.round_metrics.spread_metrics``).
     """
     check_stopping(local_stopping, example_privacy)
 

@@ -11,7 +11,7 @@ import importlib
 
 _NAMES = {  # name -> the module that defines it
     "Config": "config", "ConfigError": "errors", "compare_runs": "compare",
-    "config_to_dict": "config_dict", "load_config": "config",
+    "config_to_dict": "config", "load_config": "config",
     "run_experiment": "run", "validate_config": "config",
 }
 

@@ -221,10 +221,7 @@ class AsyncServer(Server):
             self._bytes = {"in": 0, "out": 0}
             self._stats = {"trips": 0, "dropped": 0, "stale": 0}
         self.rounds_done = v + 1
-        self.history.append(record)
-        self._save(dict(self.included))
-        self._log(record)
-        self._closed(record)
+        self._commit(record, dict(self.included))
 
     # -------------------------------------------------------------- the protocol
 

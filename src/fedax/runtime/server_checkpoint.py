@@ -42,6 +42,12 @@ class ServerCheckpoints(ServerBase):
         for c in accepted:
             included[c] = (r.t, r.attempt)
         self.rounds_done = r.t + 1
+        self._commit(record, included)
+
+    def _commit(self, record: dict[str, Any], included: dict[int, tuple[int, int]]) -> None:
+        """A closed round, in every server: its record joins the history, the checkpoint
+        is saved, only then is ``included`` the server's (what clients are told), and the
+        record is logged and handed to each ``on_round`` callback."""
         self.history.append(record)
         self._save(included)
         with self._lock:

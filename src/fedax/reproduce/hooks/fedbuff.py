@@ -49,6 +49,18 @@ def _load(settings: Mapping[str, Any], seed: int):
             make_evaluator(model.apply, data.x_test, data.y_test), algorithm)
 
 
+# The paper's asynchronous rows: method -> (K, server lr, the run's async settings).
+_ASYNC_METHODS = {
+    "fedbuff": lambda fa, setting, m, latency, staleness: (
+        setting["buffer_size"], setting["server_lr"],
+        fa.fedbuff(setting["buffer_size"], m, latency=latency, staleness=staleness,
+                   weighting="algorithm")),
+    # FedAsync: K = 1, the server mixes with alpha * s(tau)
+    "fedasync": lambda fa, setting, m, latency, staleness: (
+        1, setting["alpha"], fa.fedasync(m, latency=latency, staleness=staleness)),
+}
+
+
 def _history(method: str, setting: Mapping[str, Any], settings: Mapping[str, Any], seed: int,
              loaded):
     """One method's run: its history of evaluations on the virtual clock."""
@@ -66,12 +78,7 @@ def _history(method: str, setting: Mapping[str, Any], settings: Mapping[str, Any
     if method == "sync":  # C = M clients a round; a round lasts its slowest trip
         return fa.run_synchronous(algorithm(1.0), params, source, evaluate, latency,
                                   rounds=updates // m, eval_every=max(every // m, 1), **common)
-    if method == "fedbuff":
-        k, lr = setting["buffer_size"], setting["server_lr"]
-        config = fa.fedbuff(k, m, latency=latency, staleness=staleness, weighting="algorithm")
-    else:  # FedAsync: K = 1, the server mixes with α·s(τ)
-        k, lr = 1, setting["alpha"]
-        config = fa.fedasync(m, latency=latency, staleness=staleness)
+    k, lr, config = _ASYNC_METHODS[method](fa, setting, m, latency, staleness)
     return fa.run_async(algorithm(lr), params, source, evaluate, config,
                         server_updates=updates // k, eval_every=max(every // k, 1), **common)
 
