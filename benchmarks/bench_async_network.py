@@ -41,10 +41,10 @@ from pathlib import Path
 
 import yaml
 
-from fedax.experiments.config import config_to_dict, validate_config
+from fedax.experiments.network import run_network
 from fedax.experiments.run import run_experiment
 from fedax.runtime import make_dev_pki
-from fedax.runtime.launch import run_network
+from fedax.spec.config import config_to_dict, validate_config
 
 CLIENTS = 20
 BASE = {"seed": 0, "dataset": "mnist", "partition": "iid", "num_clients": CLIENTS,

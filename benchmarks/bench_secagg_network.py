@@ -36,8 +36,8 @@ import threading
 import time
 from pathlib import Path
 
-from fedax.experiments.config import validate_config
-from fedax.runtime.launch import run_network
+from fedax.experiments.network import run_network
+from fedax.spec.config import validate_config
 
 BASE = {"seed": 0, "dataset": "mnist", "partition": "iid", "model": "2nn",
         "algorithm": "fedavg", "client_fraction": 1.0, "local_epochs": 1, "batch_size": 50,

@@ -8,9 +8,9 @@ whole round in forward mode, drives Adam on log η.
 
 import argparse
 
-from fedax.experiments.config import validate_config
 from fedax.experiments.outputs import read_records
 from fedax.experiments.run import run_experiment
+from fedax.spec.config import validate_config
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--rounds", type=int, default=40)

@@ -43,7 +43,7 @@ from typing import Any
 
 import jax
 
-from fedax.experiments.config import validate_config
+from fedax.spec.config import validate_config
 from fedax.experiments.run import run_experiment
 
 BASE = {"seed": 0, "dataset": "mnist", "num_clients": 100, "partition": "pathological",
@@ -140,7 +140,7 @@ def criterion_at(config: Any, run_dir: Path, batches_per_client: int = 5) -> dic
         eb_statistics,
         per_example_gradients,
     )
-    from fedax.experiments.datasets import build_data
+    from fedax.builder.datasets import build_data
     from fedax.models import get_model
     from fedax.models.losses import token_cross_entropy
     from fedax.simulation.checkpoint import decode_state, list_checkpoints, read_checkpoint

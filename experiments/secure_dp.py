@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from fedax.experiments.config import validate_config
+from fedax.spec.config import validate_config
 from fedax.experiments.run import run_experiment
 
 BASE = {"seed": 0, "dataset": "mnist", "num_clients": 1000, "partition": "pathological",
@@ -59,7 +59,7 @@ def distributed_z(epsilon: float, rounds: int, bits: int, mechanism: str, m: int
 
 def settings(epsilon: float, rounds: int, bits: int,
              mechanisms: tuple[str, ...] = ("skellam",)) -> list[dict[str, Any]]:
-    from fedax.experiments.privacy_plan import privacy_plan
+    from fedax.builder.privacy_plan import privacy_plan
 
     central = {"level": "user", "mechanism": "gaussian", "clip": CLIP, "delta": DELTA,
                "target_epsilon": epsilon}

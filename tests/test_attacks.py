@@ -18,7 +18,7 @@ from fedax import aggregators as agg
 from fedax import attacks
 from fedax.algorithms import CohortBatches, compose, fedavg
 from fedax.client import Batches
-from fedax.experiments.config import ConfigError, validate_config
+from fedax.spec.config import ConfigError, validate_config
 
 NUM = 20  # population
 IDS = np.array([3, 7, 11, 0, 15, 2, 9, 3], np.int32)  # the last is padding with id 3

@@ -14,7 +14,6 @@ from fedax import data as fdata
 from fedax.aggregators import Aggregator, chain, clip_norm, mean
 from fedax.algorithms import scaffold
 from fedax.cli.main import main
-from fedax.experiments.config import ConfigError, validate_config
 from fedax.models import get_model, softmax_cross_entropy
 from fedax.simulation import (
     CheckpointError,
@@ -27,6 +26,7 @@ from fedax.simulation import (
     save_checkpoint,
 )
 from fedax.simulation import checkpoint as ckpt
+from fedax.spec.config import ConfigError, validate_config
 
 # ----------------------------------------------------------------------------- format
 

@@ -15,8 +15,8 @@ import pytest
 from conftest import TINY_CONFIG, _child_env, run_fedax
 
 import fedax
+from fedax.builder import datasets
 from fedax.cli.main import main
-from fedax.experiments import datasets
 from fedax.experiments import run as experiment
 
 

@@ -10,10 +10,10 @@ import pytest
 import yaml
 from conftest import TINY_CONFIG
 
-from fedax.experiments.config import validate_config
 from fedax.experiments.run import run_experiment
 from fedax.simulation.evaluation import client_index, make_client_evaluator
 from fedax.simulation.tensorboard import read_histograms, read_scalars
+from fedax.spec.config import validate_config
 
 
 def numpy_client_metrics(w, b, x, y, parts):

@@ -8,12 +8,12 @@ import matplotlib.image
 import yaml
 from conftest import TINY_CONFIG
 
+from fedax.builder.privacy_plan import privacy_plan
 from fedax.cli.main import main
 from fedax.experiments.compare import comparison_figure, load_runs
-from fedax.experiments.config import config_to_dict, validate_config
 from fedax.experiments.outputs import read_records
-from fedax.experiments.privacy_plan import privacy_plan
 from fedax.simulation import rounds_to_target
+from fedax.spec.config import config_to_dict, validate_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUNS = ROOT / "experiments/results/dp-fedavg-mnist-quick/runs"

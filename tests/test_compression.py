@@ -509,10 +509,10 @@ def test_compressed_run_with_error_feedback_resumes_bit_identically(small_mnist,
 
 
 def test_config_compression_section_validates_and_wires():
-    from fedax.experiments.build import build_algorithm, privacy_aggregator
-    from fedax.experiments.config import ConfigError, config_to_dict, validate_config
-    from fedax.experiments.privacy_plan import privacy_plan
+    from fedax.builder.build import build_algorithm, privacy_aggregator
+    from fedax.builder.privacy_plan import privacy_plan
     from fedax.models import get_model
+    from fedax.spec.config import ConfigError, config_to_dict, validate_config
 
     base = dict(rounds=1, partition="iid", model="logistic", algorithm="fedavg",
                 client_fraction=0.1, local_epochs=1, batch_size=10, client_lr=0.1)

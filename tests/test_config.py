@@ -1,4 +1,4 @@
-"""Tests for fedax.experiments.config: schema, one-line errors, --set overrides, example configs."""
+"""Tests for fedax.spec.config: schema, one-line errors, --set overrides, example configs."""
 
 import json
 import math
@@ -8,7 +8,7 @@ from typing import get_args
 import pytest
 import yaml
 
-from fedax.experiments.config import (
+from fedax.spec.config import (
     Config,
     ConfigError,
     check_against_data,
@@ -314,7 +314,7 @@ def test_new_keys_are_validated(write):
 
 
 def test_shakespeare_goes_with_the_char_lstm_and_its_own_partitions():
-    from fedax.experiments.config import ConfigError, validate_config
+    from fedax.spec.config import ConfigError, validate_config
 
     base = {"rounds": 1, "dataset": "shakespeare", "model": "char_lstm",
             "algorithm": "fedavg", "client_fraction": 0.1, "local_epochs": 1,
@@ -394,7 +394,7 @@ def test_the_server_section_is_written_with_the_keys_given():
 
 def test_server_keys_come_from_the_server_optimizer_specs():
     from fedax.algorithms import SERVER_OPTIMIZERS
-    from fedax.experiments.config import ServerConfig
+    from fedax.spec.config import ServerConfig
 
     keys = {k for spec in SERVER_OPTIMIZERS.values() for k in spec.hyperparameters}
     assert set(ServerConfig.model_fields) == {"optimizer"} | keys
@@ -416,7 +416,7 @@ def test_set_null_unsets_a_key_so_switching_algorithm_works():
     from pathlib import Path
 
     import fedax
-    from fedax.experiments.config import ConfigError, load_config
+    from fedax.spec.config import ConfigError, load_config
 
     path = Path(fedax.__file__).parent / "configs" / "mnist_2nn_noniid_fedavg.yaml"
     with pytest.raises(ConfigError, match=r"server\.optimizer.*--set server\.optimizer=null"):
@@ -437,8 +437,8 @@ def test_algorithm_options_come_from_the_registry():
     from conftest import TINY_CONFIG
 
     from fedax.algorithms import CohortBatches
+    from fedax.builder.build import build_algorithm
     from fedax.client import Batches
-    from fedax.experiments.build import build_algorithm
 
     base = {**yaml.safe_load(TINY_CONFIG), "algorithm": "scaffold"}
 

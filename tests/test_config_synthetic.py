@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from fedax import data as fdata
+from fedax.builder.datasets import _linear_kwargs, build_data
 from fedax.cli.main import main
-from fedax.experiments.config import ConfigError, config_to_dict, validate_config
-from fedax.experiments.datasets import _linear_kwargs, build_data
 from fedax.experiments.resume import _fingerprint
 from fedax.reproduce.runs import same_config
+from fedax.spec.config import ConfigError, config_to_dict, validate_config
 
 SYNTHETIC = {
     "rounds": 2, "dataset": "synthetic", "num_clients": 12, "model": "logistic",

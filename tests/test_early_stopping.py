@@ -23,7 +23,7 @@ from fedax.client import (
     local_train,
     steps_strategy,
 )
-from fedax.experiments.config import ConfigError, config_to_dict, validate_config
+from fedax.spec.config import ConfigError, config_to_dict, validate_config
 
 D, K = 4, 3  # features, classes
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedax.experiments.config import ConfigError, config_to_dict, load_config, validate_config
+from fedax.experiments.network import run_network
 from fedax.experiments.run import run_experiment
 from fedax.runtime import Task
-from fedax.runtime.launch import run_network
+from fedax.spec.config import ConfigError, config_to_dict, load_config, validate_config
 
 CONFIG = Path(__file__).resolve().parents[1] / "src" / "fedax" / "configs" / \
     "mnist_2nn_noniid_fedavg.yaml"
@@ -215,7 +215,7 @@ SHAKESPEARE = {"seed": 0, "rounds": 2, "dataset": "shakespeare", "partition": "n
 def test_the_char_lstm_over_the_network_equals_the_simulator(tmp_path):
     """Token ids in, a token per position out, the model's own sequence loss: the char-LSTM
     on six Shakespeare roles, one client process hosting them, equals the sync run."""
-    from fedax.experiments.config import validate_config
+    from fedax.spec.config import validate_config
 
     config = validate_config(SHAKESPEARE)
     run_experiment(config, tmp_path / "sync", progress=False, tensorboard=False)
@@ -280,7 +280,8 @@ def test_a_dp_reports_weight_is_one_whatever_it_claims():
     the model no more than 1."""
     import jax
 
-    from fedax.runtime.task import Report, build, server_state, server_step
+    from fedax.algorithms.protocol import Reports, apply_reports
+    from fedax.runtime.task import build, server_state
 
     config = load_config(CONFIG, DP + ["compression.scheme=float16", "privacy.clip=10.0"])
     task = Task.from_config(config, num_clients=100, input_shape=[28, 28, 1],
@@ -298,12 +299,13 @@ def test_a_dp_reports_weight_is_one_whatever_it_claims():
     codes, stage = jax.tree.map(lambda *xs: np.stack(xs), *encoded)
 
     def step(weights):
-        reports = Report(codes, np.asarray(weights, np.float32),
-                         {"local_steps": np.ones(3, np.float32),
-                          "train_loss": np.ones(3, np.float32)}, (),
-                         np.full(3, 600.0, np.float32), stage)
-        new, _ = server_step(built.pieces, state, reports, np.zeros((3, 2), np.uint32),
-                             np.ones(3, bool), jax.random.key(0), True, True)
+        reports = Reports(codes, np.asarray(weights, np.float32),
+                          {"local_steps": np.ones(3, np.float32),
+                           "train_loss": np.ones(3, np.float32)}, (),
+                          np.full(3, 600.0, np.float32), stage)
+        new, _ = apply_reports(built.pieces, state, reports, jax.random.key(0),
+                               keep=np.ones(3, bool), client_keys=np.zeros((3, 2), np.uint32),
+                               staged=True, unit_weights=True)
         return built.pieces.server_params(new.server)
 
     honest, claimed = step([1.0, 1.0, 1.0]), step([1e6, 1.0, 1.0])
@@ -338,9 +340,10 @@ def test_the_async_servers_step_is_fedbuffs(tmp_path, weighting):
     FedBuff step: x − η Σ_k w_k s(τ_k) Δ_k / Σ_k w_k with s(τ) = (1 + τ)^(−1/2) (FedAvg's
     weighted mean, server SGD at η = 1), w_k = n_k, or 1 with ``weighting: equal`` (as the
     simulator's ``AsyncConfig.weighting``)."""
+    from fedax.algorithms.protocol import Reports
     from fedax.runtime import Registry, ServerConfig, ServerTLS, make_dev_pki
     from fedax.runtime.async_server import AsyncServer, Buffered
-    from fedax.runtime.task import Report, round_key
+    from fedax.runtime.task import round_key
     from fedax.simulation.asynchronous import Staleness
 
     pki = make_dev_pki(tmp_path, 4)
@@ -358,9 +361,9 @@ def test_the_async_servers_step_is_fedbuffs(tmp_path, weighting):
                          for k, v in before.items()}} for _ in range(3)]
     n = np.array([5.0, 10.0, 20.0], np.float32)
     taus = np.array([0, 1, 3], np.int32)
-    reports = Report({"dense": {k: np.stack([d["dense"][k] for d in deltas])
-                                for k in before}},
-                     n, {"train_loss": np.zeros(3, np.float32)}, (), n, {})
+    reports = Reports({"dense": {k: np.stack([d["dense"][k] for d in deltas])
+                                 for k in before}},
+                      n, {"train_loss": np.zeros(3, np.float32)}, (), n, {})
     keys = np.zeros((3, 2), np.uint32)
     state, metrics = server._flush(server.state, reports, taus, (), keys,
                                    round_key(server._key, 0))
@@ -380,9 +383,10 @@ def test_the_async_server_stages_each_report_with_its_downloaded_version(tmp_pat
     downloaded clips 0.5, 0.2 and 1.0 give Σ_k clip(Δ_k, C_k) / m (m = 4, DP-FedAvg's
     fixed denominator), not the current clip's."""
     from fedax.aggregators.adaptive_clipping import QuantileClipState
+    from fedax.algorithms.protocol import Reports
     from fedax.runtime import Registry, ServerConfig, ServerTLS, make_dev_pki
     from fedax.runtime.async_server import AsyncServer, Buffered
-    from fedax.runtime.task import Report, round_key
+    from fedax.runtime.task import round_key
     from fedax.simulation.asynchronous import Staleness
 
     pki = make_dev_pki(tmp_path, 4)
@@ -401,7 +405,7 @@ def test_the_async_server_stages_each_report_with_its_downloaded_version(tmp_pat
     deltas = [{k: rng.normal(size=v.shape).astype(np.float32) for k, v in before.items()}
               for _ in range(3)]
     n = np.array([5.0, 10.0, 20.0], np.float32)
-    reports = Report({"dense": {k: np.stack([d[k] for d in deltas]) for k in before}}, n,
+    reports = Reports({"dense": {k: np.stack([d[k] for d in deltas]) for k in before}}, n,
                      {"train_loss": np.zeros(3, np.float32)}, (), n, {})
     clips = np.array([0.5, 0.2, 1.0], np.float32)
     norms = [np.sqrt(sum(float((d[k].astype(np.float64) ** 2).sum()) for k in d))
@@ -419,7 +423,7 @@ def test_the_async_server_stages_each_report_with_its_downloaded_version(tmp_pat
 def _one_version_config(weighting: str):
     """FedBuff with K = M = N = 6 synthetic clients (unequal n_k), one full-batch step each
     (no training key matters), constant staleness, one server step."""
-    from fedax.experiments.config import validate_config
+    from fedax.spec.config import validate_config
 
     return validate_config({
         "seed": 3, "rounds": 1, "eval_every": 1, "checkpoint_every": 1,
@@ -439,7 +443,7 @@ def test_equal_weighting_changes_both_async_engines_alike(tmp_path):
     import jax
     from test_runtime import client_config, run_clients
 
-    from fedax.experiments.datasets import build_data
+    from fedax.builder.datasets import build_data
     from fedax.runtime import Registry, ServerConfig, ServerTLS, make_dev_pki
     from fedax.runtime.async_server import AsyncServer, Buffered
     from fedax.runtime.launch import client_examples, network_task
@@ -565,7 +569,7 @@ def test_the_network_runs_records_are_written_as_its_rounds_close(tmp_path):
     """``metrics.jsonl`` of a networked run holds each round as soon as it is closed and
     checkpointed (a run that fails later keeps them), and a resumed run's file starts with
     its checkpoint's rounds."""
-    from fedax.runtime.launch import _record_writer
+    from fedax.experiments.network import _record_writer
 
     server = _tiny_server(tmp_path / "a")
     writer = _record_writer(server, tmp_path, None, resume=False)

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from conftest import TINY_CONFIG
 
-from fedax.experiments.config import ConfigError, validate_config
 from fedax.experiments.run import run_experiment
+from fedax.spec.config import ConfigError, validate_config
 
 BASE = yaml.safe_load(TINY_CONFIG)  # 12 clients, 6 a round, 2 rounds, logistic
 LOCKSTEP = {"buffer_size": 6, "concurrency": 6, "latency": {"kind": "constant", "mean": 2.5},

@@ -9,12 +9,12 @@ import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 # Lowest first (docs/design.md, "Layers"); a layer may import only layers listed before it.
-# A dotted name is a module that sits above the rest of its package: experiments.run, the
-# driver of every engine, stands above runtime (the network engine), which builds from
-# the experiments' spec and builder below it.
+# A dotted name is a module that sits above the rest of its package. experiments, the
+# driver of every engine, stands above runtime (the network engine), which builds from the
+# spec and the builder below it.
 LAYERS = ["_version", "io", "checkpoint", "federated", "data", "models", "client",
           "aggregators", "privacy", "algorithms", "attacks", "hyper", "simulation",
-          "experiments", "runtime", "experiments.run", "reproduce", "cli"]
+          "spec", "builder", "runtime", "experiments", "reproduce", "cli"]
 SAME_LEVEL = [{"aggregators", "privacy"}]
 
 

@@ -27,7 +27,7 @@ from test_runtime import (  # noqa: F401 (pki and parts are that file's fixtures
 from fedax.algorithms import ALGORITHMS, AlgorithmSpec, ClientMessage, compose, register
 from fedax.algorithms.fedavg import model_pieces, stopping_stats
 from fedax.client import local_train
-from fedax.experiments.config import ConfigError, validate_config
+from fedax.spec.config import ConfigError, validate_config
 
 ALPHA = 0.5
 

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedax.experiments.config import ConfigError, validate_config
 from fedax.models import char_lstm, mixed_precision, mlp_2nn, softmax_cross_entropy, with_precision
 from fedax.models.losses import token_cross_entropy
+from fedax.spec.config import ConfigError, validate_config
 
 
 def test_float32_is_the_model_itself():

@@ -51,8 +51,8 @@ def printed_epsilon(line: str) -> float:
 
 
 def test_epsilon_defaults_to_a_runs_fixed_sampling_and_equals_its_ledger(capsys):
-    from fedax.experiments.config import validate_config
-    from fedax.experiments.privacy_plan import privacy_plan
+    from fedax.builder.privacy_plan import privacy_plan
+    from fedax.spec.config import validate_config
 
     status, out, err = run([*EPSILON, "--population", str(N)], capsys)
     assert status == 0 and err == []

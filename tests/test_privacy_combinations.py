@@ -22,11 +22,11 @@ from dp_accounting import rdp
 
 from fedax.aggregators import distributed_dp_params
 from fedax.algorithms import ALGORITHMS
+from fedax.builder.build import build_algorithm
+from fedax.builder.privacy_plan import privacy_plan
 from fedax.client import Batches
-from fedax.experiments.build import build_algorithm
-from fedax.experiments.config import CompressionConfig, ConfigError, PrivacyConfig, validate_config
-from fedax.experiments.privacy_plan import privacy_plan
 from fedax.privacy import distributed_epsilon
+from fedax.spec.config import CompressionConfig, ConfigError, PrivacyConfig, validate_config
 
 N, FRACTION, ROUNDS, DELTA, Z, CLIP = 12, 0.5, 7, 1e-5, 1.3, 1.0
 M = 6  # floor(0.5 * 12)

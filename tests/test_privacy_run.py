@@ -14,12 +14,12 @@ from conftest import TINY_CONFIG
 
 from fedax import aggregators
 from fedax import data as fdata
-from fedax.experiments.build import privacy_aggregator
-from fedax.experiments.config import ConfigError, validate_config
-from fedax.experiments.privacy_plan import privacy_plan
+from fedax.builder.build import privacy_aggregator
+from fedax.builder.privacy_plan import privacy_plan
 from fedax.experiments.run import run_experiment
 from fedax.privacy import epsilon, round_up
 from fedax.simulation.sources import PartitionSource
+from fedax.spec.config import ConfigError, validate_config
 
 
 def test_poisson_sampling_draws_each_client_with_probability_q():

@@ -6,10 +6,10 @@ import math
 import pytest
 
 from fedax.cli.main import main
-from fedax.experiments.config import ConfigError
 from fedax.reproduce import EXPERIMENTS, Cell, cell_config, report, runs, table
 from fedax.reproduce.engine import reproduce
 from fedax.reproduce.paper import Paper
+from fedax.spec.config import ConfigError
 
 BASE = {
     "seed": 0, "dataset": "mnist", "num_clients": 100, "client_fraction": 0.1,

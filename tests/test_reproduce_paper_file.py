@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from fedax.experiments.config import ConfigError
 from fedax.reproduce import reproduce
 from fedax.reproduce.claims import check_claims, claim_lines
 from fedax.reproduce.expr import ExprError, evaluate, render
 from fedax.reproduce.paper import load_paper, parse_paper
+from fedax.spec.config import ConfigError
 
 TOY = Path(__file__).parent / "papers" / "toy-paper.yaml"
 

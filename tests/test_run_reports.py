@@ -13,8 +13,8 @@ import numpy as np
 import yaml
 from conftest import TINY_CONFIG
 
-from fedax.experiments.config import validate_config
 from fedax.experiments.run import run_experiment
+from fedax.spec.config import validate_config
 
 BASE = yaml.safe_load(TINY_CONFIG)  # 12 clients, 6 a round, 2 rounds, logistic 60 -> 10
 LEAVES = (10, 600)  # the logistic model's bias and kernel: d = 610

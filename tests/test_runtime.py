@@ -509,10 +509,10 @@ def test_bad_reports_are_rejected_and_never_averaged(pki, parts, caplog):
 def test_the_commands(pki, tmp_path, capsys):
     """``fedax server init`` writes a working setup, ``fedax server status`` reads a running
     server, and a refused client ends in one line."""
+    from fedax.builder.datasets import build_data
     from fedax.cli.main import main
-    from fedax.experiments.config import load_config
-    from fedax.experiments.datasets import build_data
     from fedax.runtime.launch import network_task
+    from fedax.spec.config import load_config
 
     out = tmp_path / "setup"
     assert main(["server", "init", str(out), "--clients", "2", "--set", "rounds=1"]) == 0

@@ -29,7 +29,6 @@ from test_engines import (
 from test_runtime import CLASSES, DIM, client_config, join_all
 
 from fedax.data import synthetic
-from fedax.experiments.config import ConfigError, load_config
 from fedax.runtime import (
     Client,
     ClientTLS,
@@ -53,6 +52,7 @@ from fedax.runtime.secure_task import (
     default_threshold,
     protocol_shape,
 )
+from fedax.spec.config import ConfigError, load_config
 
 N = 8  # registered clients; the rounds here select 7 (n = k = 7, t = 4) unless said
 SECURE = {"bits": 32, "max_weight": 45}

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from test_engines import CONFIG, SHORT, final_params, records
 
-from fedax.experiments.config import ConfigError, load_config
 from fedax.experiments.run import run_experiment
+from fedax.spec.config import ConfigError, load_config
 
 SECURE = ["secure.bits=32"]
 

@@ -43,9 +43,9 @@ from fedax.algorithms import (
     server_optimizer,
     with_server_learning_rate,
 )
+from fedax.builder.build import build_algorithm
 from fedax.client import Batches
-from fedax.experiments.build import build_algorithm
-from fedax.experiments.config import validate_config
+from fedax.spec.config import validate_config
 
 # ---------------------------------------------------------------------------------------
 # The server optimizers as they were before the spec (fedax.algorithms.server_optimizers at
@@ -376,7 +376,7 @@ CONFIG = {"rounds": 1, "dataset": "synthetic", "num_clients": POPULATION, "model
 
 
 def _before_build(config):
-    """What fedax.experiments.build.build_algorithm built before the spec (its server keys
+    """What fedax.builder.build.build_algorithm built before the spec (its server keys
     then had config defaults: lr 1, momentum 0.9, b1 0.9, b2 0.99, tau 1e-3)."""
     from fedax.models import softmax_cross_entropy
 

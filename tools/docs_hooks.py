@@ -2,7 +2,7 @@
 checks them.
 
 ``docs/reference/cli.md`` comes from the ``fedax`` command's argparse parser and
-``docs/reference/config.md`` from the pydantic config schema (``fedax.experiments.config``):
+``docs/reference/config.md`` from the pydantic config schema (``fedax.spec.config``):
 the help strings, field types, bounds, defaults and the comments above each field in
 ``config.py`` are the only text, so nothing is written by hand twice. The pages are
 committed, so that a link to them resolves in the repository as well as on the site, and
@@ -104,10 +104,10 @@ def config_markdown() -> str:
     """One table per config section: key, allowed values, default, meaning."""
     from pydantic import BaseModel
 
-    from fedax.experiments import config as schema
+    from fedax.spec import config as schema
 
     out = [_GENERATED, "# Config keys", "",
-           "Generated from the config schema (`fedax.experiments.config`). "
+           "Generated from the config schema (`fedax.spec.config`). "
            "A config is a YAML mapping of these keys; `fedax run CONFIG --set key=value` "
            "overrides one (dotted for a section's keys).", "",
            inspect.cleandoc(schema.__doc__ or "").replace("``", "`"), ""]

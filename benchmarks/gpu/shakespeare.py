@@ -195,9 +195,9 @@ def lr_dir() -> str:
 def cell_config(name: str, smoke: bool, fresh_smoke: bool, sequential: bool):
     """The cell's config at ``LR`` (a checkpoint after every round), with the smoke's toy
     sizes when ``fresh_smoke`` and clients one after another when ``sequential``."""
-    from fedax.experiments.config import config_to_dict, validate_config
     from fedax.reproduce.paper import get_paper
     from fedax.reproduce.runs import cell_config as paper_cell_config
+    from fedax.spec.config import config_to_dict, validate_config
 
     paper = get_paper(PAPER)
     cell = next((c for c in paper.cells if c.name == name), None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from fedax.experiments.errors import ConfigError
+from fedax.spec.errors import ConfigError
 
 
 def cmd_compare(args) -> int:

@@ -19,7 +19,7 @@ from fedax.cli.run_dirs import (
     os_error_message,
     remove_if_empty,
 )
-from fedax.experiments.errors import CommandError
+from fedax.spec.errors import CommandError
 
 PAPER = "fedavg-mnist-2nn"
 CELLS = ("fedsgd-e1-binf-pathological", "fedavg-e1-b10-pathological")
@@ -45,8 +45,8 @@ def add_command(sub, common) -> None:
 def demo_paper(sets: list[str]):
     """The 2NN paper with its quick subset cut to the demo's cells, each cell's config
     overridden by ``sets`` (``KEY=VALUE``, checked against the config schema)."""
-    from fedax.experiments.config import Config, apply_override
     from fedax.reproduce import EXPERIMENTS
+    from fedax.spec.config import Config, apply_override
 
     paper = EXPERIMENTS[PAPER]
     cells = []
@@ -62,8 +62,8 @@ def demo_paper(sets: list[str]):
 def _foreign_runs(paper, out: Path) -> list[Path]:
     """Finished runs in ``out/runs`` of a config that is none of this demo's (whatever
     their rounds: a grid point stops at a cap), which the demo would replace."""
-    from fedax.experiments.config import config_to_dict
     from fedax.reproduce.runs import cell_config, same_config
+    from fedax.spec.config import config_to_dict
 
     wanted = [config_to_dict(cell_config(paper, cell, lr))
               for cell in paper.quick for lr in cell.lrs]

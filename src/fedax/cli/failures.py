@@ -10,7 +10,7 @@ import sys
 import threading
 
 from fedax.cli.run_dirs import os_error_message
-from fedax.experiments.errors import CommandError, ConfigError
+from fedax.spec.errors import CommandError, ConfigError
 
 
 def one_line(err: BaseException | str, limit: int = 300) -> str:

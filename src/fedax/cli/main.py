@@ -28,7 +28,7 @@ from fedax.cli.options import DEVICES_HELP, SET_HELP, positive_int
 from fedax.cli.processes import split_host_into_devices
 from fedax.cli.run import cmd_run
 from fedax.cli.run_dirs import finish_pending_work, os_error_message
-from fedax.experiments.errors import CommandError, ConfigError
+from fedax.spec.errors import CommandError, ConfigError
 
 # ------------------------------------------------------------------------------ commands
 

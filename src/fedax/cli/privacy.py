@@ -10,7 +10,7 @@ import argparse
 import math
 import sys
 
-from fedax.experiments.errors import CommandError
+from fedax.spec.errors import CommandError
 
 _PRIVACY_FLAGS = {"sampling_probability": "--q", "target_epsilon": "--epsilon",
                   "noise_multiplier": "--z", "extra_releases_per_round": "--extra-releases",

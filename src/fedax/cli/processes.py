@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from fedax.cli.run_dirs import claim_out, resolve_config
-from fedax.experiments.errors import CommandError
+from fedax.spec.errors import CommandError
 
 
 def _free_port() -> int:
@@ -42,7 +42,7 @@ def launch_processes(args) -> int:
     messages to ``OUT/processes/<i>.log``."""
     import subprocess
 
-    from fedax.experiments.config import load_config
+    from fedax.spec.config import load_config
 
     config = load_config(resolve_config(args.config), args.set)  # a bad one: no launch
     out, _ = claim_out(args, Path(args.config).stem, config)

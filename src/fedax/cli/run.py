@@ -19,7 +19,7 @@ from fedax.cli.run_dirs import (
     run_command,
     where_stopped,
 )
-from fedax.experiments.errors import CommandError
+from fedax.spec.errors import CommandError
 
 
 def _run_network(args, config, out, name, run_experiment):
@@ -39,10 +39,10 @@ def _run_network(args, config, out, name, run_experiment):
 
 
 def cmd_run(args) -> int:
-    from fedax.experiments.config import load_config
     from fedax.experiments.outputs import dumps, strict_json
     from fedax.experiments.run import run_experiment
     from fedax.simulation.checkpoint import CheckpointError, ResumeError
+    from fedax.spec.config import load_config
 
     check_processes(args)
     if args.num_processes and args.num_processes > 1 and args.process_id is None:
@@ -87,7 +87,7 @@ def cmd_run(args) -> int:
         if isinstance(err, OSError):
             raise CommandError(os_error_message(err, out)) from err
         raise
-    from fedax.experiments.privacy_plan import console_lines
+    from fedax.builder.privacy_plan import console_lines
 
     shown = {k: summary[k] for k in ("status", "rounds_run", "final_test_accuracy",
                                      "best_test_accuracy", "rounds_to_target", "wall_time_s")}

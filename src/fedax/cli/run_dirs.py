@@ -13,7 +13,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from fedax.experiments.errors import CommandError, ConfigError
+from fedax.spec.errors import CommandError, ConfigError
 
 
 def run_command(args, out: Path | None = None, flag: str | None = None,

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, overload
 
-from fedax.experiments.errors import CommandError, ConfigError
 from fedax.io import finite_json, json_text, write_atomic
+from fedax.spec.errors import CommandError, ConfigError
 
 
 def _one_line(command):
@@ -150,7 +150,7 @@ def _config_text(config, source: str) -> str:
     """The setup's ``config.yaml``: the config as YAML, headed by where it came from."""
     import yaml
 
-    from fedax.experiments.config import config_to_dict
+    from fedax.spec.config import config_to_dict
 
     return f"# fedax server init from {source}\n" + yaml.safe_dump(config_to_dict(config),
                                                                    sort_keys=False)
@@ -162,11 +162,11 @@ def cmd_server_init(args) -> int:
     synthetic one) with ``network.setup: DIR``, and for its N clients a CA, a server
     certificate, tokens and the registry; written beside DIR and moved into it only when all
     of them are made. Clients hold their own data (``fedax client --config``)."""
+    from fedax.builder.datasets import build_data
     from fedax.cli.run_dirs import resolve_config
-    from fedax.experiments.config import load_config, validate_config, with_overrides
-    from fedax.experiments.datasets import build_data
     from fedax.runtime import make_dev_pki
     from fedax.runtime.launch import network_task
+    from fedax.spec.config import load_config, validate_config, with_overrides
 
     out = Path(args.dir)
     if out.exists() and not out.is_dir():
@@ -222,8 +222,8 @@ def _start_from_config(args) -> int:
     """``fedax server start --config CONFIG``: the config's network run, serving the
     clients that connect (no local ones), outputs in ``--out``."""
     from fedax.cli.run_dirs import resolve_config
-    from fedax.experiments.config import load_config
-    from fedax.runtime.launch import run_network
+    from fedax.experiments.network import run_network
+    from fedax.spec.config import load_config
 
     given = [f"--{n.replace('_', '-')}" for n in ("rounds", "cohort_size", "over_selection",
                                                    "min_reports", "deadline_s",
@@ -364,8 +364,8 @@ def cmd_client(args) -> int:
         raise ValueError("give the client's data as exactly one of --data FILE.npz and "
                          "--config CONFIG (its partition of the experiment's data set)")
     if args.config is not None:
-        from fedax.experiments.config import load_config
         from fedax.runtime.launch import client_examples
+        from fedax.spec.config import load_config
 
         examples = client_examples(load_config(args.config), ids)
     else:

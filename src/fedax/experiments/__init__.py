@@ -2,7 +2,7 @@
 run directory, strict JSON outputs and plots. Both the ``fedax`` command (``cli``) and the
 papers' reproductions (``reproduce``) stand on this layer.
 
-The names below load on first use (PEP 562), so that ``fedax.experiments.errors`` (which
+The names below load on first use (PEP 562), so that ``fedax.spec.errors`` (which
 the command imports first) loads neither JAX nor the config schema."""
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ from __future__ import annotations
 import importlib
 
 _NAMES = {  # name -> the module that defines it
-    "Config": "config", "ConfigError": "errors", "compare_runs": "compare",
-    "config_to_dict": "config", "load_config": "config",
-    "run_experiment": "run", "validate_config": "config",
+    "Config": "fedax.spec.config", "ConfigError": "fedax.spec.errors",
+    "compare_runs": "fedax.experiments.compare", "config_to_dict": "fedax.spec.config",
+    "load_config": "fedax.spec.config", "run_experiment": "fedax.experiments.run",
+    "validate_config": "fedax.spec.config",
 }
 
 
 def __getattr__(name: str):
     if name in _NAMES:
-        return getattr(importlib.import_module(f"fedax.experiments.{_NAMES[name]}"), name)
+        return getattr(importlib.import_module(_NAMES[name]), name)
     raise AttributeError(f"module 'fedax.experiments' has no attribute {name!r}")
 
 

@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from fedax.algorithms.records import dumps, strict_json
-from fedax.experiments.config import (
-    Config,
-    config_to_dict,
-    validate_config,
-)
 from fedax.io import append_line, read_json, read_jsonl, write_atomic, write_json
 from fedax.simulation import (
     History,
+)
+from fedax.spec.config import (
+    Config,
+    config_to_dict,
+    validate_config,
 )
 
 # A directory holding any of these holds a run (``checkpoints`` is a directory).

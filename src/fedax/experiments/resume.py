@@ -8,13 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedax.experiments.config import (
+from fedax.builder.privacy_plan import PrivacyPlan
+from fedax.spec.config import (
     Config,
     ShakespeareConfig,
     SyntheticConfig,
     config_to_dict,
 )
-from fedax.experiments.privacy_plan import PrivacyPlan
 
 # Keys added after checkpoints existed: left out of the fingerprint at their defaults, so
 # those checkpoints still resume.

@@ -21,24 +21,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedax.experiments.build import build, param_count
-from fedax.experiments.config import Config, check_against_data
-from fedax.experiments.datasets import build_data
-from fedax.experiments.features import (
+from fedax.builder.build import build, param_count
+from fedax.builder.datasets import build_data
+from fedax.builder.features import (
     TALLIED,
     RoundTally,
     attack_plan,
     feature_summaries,
     with_backdoor,
 )
+from fedax.builder.privacy_plan import PrivacyPlan, cohort_size, privacy_plan
 from fedax.experiments.outputs import JsonlWriter, write_outputs
-from fedax.experiments.privacy_plan import PrivacyPlan, cohort_size, privacy_plan
 from fedax.experiments.resume import _fingerprint, resume_schedule
 from fedax.experiments.summary import summarize
 from fedax.simulation import Execution, choose_execution, make_evaluator, run
 from fedax.simulation.evaluation import make_client_evaluator
 from fedax.simulation.host import cpu_dots_for, cpu_has_bf16, preferred_cpu_dots
 from fedax.simulation.sources import HoldoutSource, PartitionSource
+from fedax.spec.config import Config, check_against_data
 
 
 def _check_precision_hardware(precision: str) -> None:
@@ -81,7 +81,7 @@ def run_experiment(
 
     Every ``execution.mode`` runs from here: ``sync`` and ``async`` in this process (the
     simulator), ``network`` on a gRPC server with ``network.local_clients`` client
-    processes on this machine (``fedax.runtime.launch.run_network``; with none, the server
+    processes on this machine (``fedax.experiments.network.run_network``; with none, the server
     waits for clients started elsewhere). ``summary.json``'s ``engine`` names the one that
     ran."""
     if config.execution.mode == "network":
@@ -239,6 +239,6 @@ def _run_network(config: Config, out_dir: str | Path, **options) -> dict[str, An
     import os
 
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC's C core logs to stderr
-    from fedax.runtime.launch import run_network
+    from fedax.experiments.network import run_network
 
     return run_network(config, out_dir, **options)

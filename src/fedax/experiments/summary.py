@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fedax.experiments.config import Config, config_to_dict, resolved_server_optimizer
+from fedax.builder.privacy_plan import PrivacyPlan
 from fedax.experiments.outputs import with_status
-from fedax.experiments.privacy_plan import PrivacyPlan
 from fedax.simulation import Execution, History, rounds_to_target
+from fedax.spec.config import Config, config_to_dict, resolved_server_optimizer
 
 
 def summarize(config: Config, records: list[dict[str, Any]], wall: float,

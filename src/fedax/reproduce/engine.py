@@ -21,7 +21,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from fedax.experiments.config import ConfigError
 from fedax.io import finite_json, write_json
 from fedax.reproduce.claims import check_claims
 from fedax.reproduce.expr import evaluate
@@ -29,6 +28,7 @@ from fedax.reproduce.paper import Paper, get_paper
 from fedax.reproduce.report import draw_figures, figures, write_report
 from fedax.reproduce.sweep import run_grids
 from fedax.reproduce.table import run_table
+from fedax.spec.config import ConfigError
 
 
 def machine_info() -> dict[str, Any]:

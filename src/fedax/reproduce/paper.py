@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from fedax.experiments.config import ConfigError
+from fedax.spec.config import ConfigError
 
 PAPERS_DIR = Path(__file__).parent / "papers"
 

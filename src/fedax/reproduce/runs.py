@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedax.experiments.config import Config, ConfigError, config_to_dict, validate_config
 from fedax.io import write_json
 from fedax.reproduce.paper import Cell, Paper
 from fedax.simulation.checkpoint import CheckpointError
+from fedax.spec.config import Config, ConfigError, config_to_dict, validate_config
 
 
 def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

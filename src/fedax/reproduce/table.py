@@ -16,9 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from fedax.experiments.config import ConfigError
 from fedax.reproduce.paper import Cell, Paper
 from fedax.reproduce.runs import cell_config, lr_dirname, progress_summary, run_one
+from fedax.spec.config import ConfigError
 
 
 def _score(paper: Paper, summary: Mapping[str, Any]) -> tuple[float, float]:

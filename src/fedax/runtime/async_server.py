@@ -37,7 +37,7 @@ from fedax.runtime import store, wire
 from fedax.runtime.rounds import RoundFailed, finite, selection_words
 from fedax.runtime.server import Server
 from fedax.runtime.task import broadcast, round_key, stage_key
-from fedax.simulation.asynchronous.updates import Pool, buffered_step, stage_each, weigh
+from fedax.simulation.asynchronous.updates import buffered_step, stage_each, weigh
 
 log = logging.getLogger("fedax.runtime.server")
 
@@ -187,11 +187,8 @@ class AsyncServer(Server):
         if not self._encodes and pieces.aggregator.client is not None:
             values, weights, stage_stats = stage_each(pieces.aggregator, values, weights,
                                                       downloaded, keys)
-        buffered = Pool(values, weights, reports.num_examples, reports.stats,
-                        stage_stats, reports.sums)
-        state, metrics = buffered_step(pieces, state, buffered, taus, key,
-                                       self.buffered.staleness)
-        return state._replace(clients=None), metrics
+        buffered = reports._replace(update=values, weight=weights, stage_stats=stage_stats)
+        return buffered_step(pieces, state, buffered, taus, key, self.buffered.staleness)
 
     def _apply(self, batch: list[tuple[int, Any, int, Trip]], started: float) -> None:
         """A server step on K buffered reports; the new version is checkpointed, then

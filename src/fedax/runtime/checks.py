@@ -4,9 +4,10 @@ Over the network the client half of a round runs on a machine the server does no
 control, so every number in a report is a claim. After the wire checks (paths, dtypes,
 shapes, finite values; ``fedax.runtime.wire``) the server checks the report's *bounds*
 (``ReportChecks``), and then runs the aggregator's client stage (clipping, the adaptive
-clip's indicator, AdaCliP's whitening) on the report itself (``fedax.runtime.task``
-``server_step``): in the trusted-server model of DP-FedAvg (McMahan et al. 2018) the server
-clips, so no client can skip the clip or lie about whether it was clipped.
+clip's indicator, AdaCliP's whitening) on the report itself
+(``fedax.algorithms.protocol.apply_reports``): in the trusted-server model of DP-FedAvg
+(McMahan et al. 2018) the server clips, so no client can skip the clip or lie about
+whether it was clipped.
 
 The bounds (a report failing one is refused with kind ``bounds`` and never aggregated):
 

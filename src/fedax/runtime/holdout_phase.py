@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from fedax.algorithms.protocol import apply_reports
 from fedax.runtime import store, wire
 from fedax.runtime.checks import decoded_report
 from fedax.runtime.holdout import (
@@ -34,7 +35,6 @@ from fedax.runtime.holdout import (
 )
 from fedax.runtime.rounds import PhaseRound, RoundFailed, select, selection_words
 from fedax.runtime.server_base import ServerBase
-from fedax.runtime.task import server_step
 
 log = logging.getLogger("fedax.runtime.server")
 
@@ -61,8 +61,13 @@ class HoldoutPhase(ServerBase):
         require_lr(self.state)
         self.learned = LearnedLR.create(init_lr, hyper_lr, holdout)
         pieces = self.pieces
+
+        def step(pieces, state, reports, client_keys, real, key):
+            return apply_reports(pieces, state, reports, key, keep=real,
+                                 client_keys=client_keys, staged=staged)
+
         self._learned_step = jax.jit(lambda s, u, r, k, m, key: differentiated_step(
-            server_step, pieces, s, u, r, k, m, key, staged))
+            step, pieces, s, u, r, k, m, key))
 
     def _learned_aggregate(self, state: Any, stacked: Any, keys: Any, real: Any,
                            key: Any) -> tuple[Any, Any]:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedax.runtime.task import Report
+from fedax.algorithms.protocol import Reports
 
 
 class PhaseRound(Protocol):
@@ -43,7 +43,7 @@ class OpenRound:
     model_version: str
     deadline: float
     started: float
-    accepted: dict[int, Report] = dataclasses.field(default_factory=dict)
+    accepted: dict[int, Reports] = dataclasses.field(default_factory=dict)
     rejected: dict[int, str] = dataclasses.field(default_factory=dict)
     closed: bool = False
     phase: str = "train"  # or "holdout", "evaluate", a SecAgg+ stage ("secagg-keys", ...)

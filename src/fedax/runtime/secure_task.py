@@ -191,7 +191,7 @@ def secure_client_step(pieces: Any, plan: SecurePlan, n: int, payload: Any,
 def expected_clients(task: Any) -> int | None:
     """The n a task's rounds select when nothing fails (its cohort size; the client
     compiles its secure step for it before polling), None if it cannot be encoded."""
-    from fedax.experiments.privacy_plan import cohort_size
+    from fedax.builder.privacy_plan import cohort_size
 
     n = cohort_size(task.spec(), task.num_clients)
     spec = task.spec().secure

@@ -21,8 +21,8 @@ deployment runtime):
    A refused report is counted with its reason code, the client is excluded from the
    round, and its values are never stacked or averaged.
 3. **Closing.** The round closes when ``cohort_size`` reports are accepted, or at the
-   deadline. With at least ``min_reports`` accepted, ``server_step`` (``fedax.runtime.
-   task``) makes the new state over the accepted reports in client-id order (the
+   deadline. With at least ``min_reports`` accepted, ``apply_reports`` (``fedax.algorithms.
+   protocol``) makes the new state over the accepted reports in client-id order (the
    aggregator's client stage, e.g. the clip, runs here on each report; a compressed
    uplink's encoding runs on the clients); a new state that is not finite is discarded
    and the round retried; otherwise a checkpoint is written and the round is logged
@@ -63,6 +63,7 @@ import jax
 import numpy as np
 
 from fedax.aggregators import round_keys
+from fedax.algorithms.protocol import Reports, apply_reports
 from fedax.runtime import store, wire
 from fedax.runtime.checks import ReportChecks
 from fedax.runtime.config import ServerConfig
@@ -74,7 +75,6 @@ from fedax.runtime.security import Registry, ServerTLS, split_address
 from fedax.runtime.server_checkpoint import CHECKPOINT, ROUND_LOG, ServerCheckpoints
 from fedax.runtime.server_rpcs import ServerRPCs
 from fedax.runtime.task import (
-    Report,
     Task,
     broadcast,
     build,
@@ -83,7 +83,6 @@ from fedax.runtime.task import (
     report_template,
     round_key,
     server_state,
-    server_step,
     stage_key,
 )
 
@@ -183,8 +182,9 @@ class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
                                     task.batch, config.max_examples)
         # DP over a compressed uplink: the clients ran the clip and weight; re-done here
         unit = self._encodes and task.config.get("privacy") is not None
-        self._step = jax.jit(lambda s, r, k, m, key: server_step(self.pieces, s, r, k, m, key,
-                                                                 self._encodes, unit))
+        self._step = jax.jit(lambda s, r, k, m, key: apply_reports(
+            self.pieces, s, r, key, keep=m, client_keys=k, staged=self._encodes,
+            unit_weights=unit))
         self._setup_phases(built, self._encodes)  # holdout (server.lr: learned), evaluate
         self._setup_secure(task, built, rehearsal=key is not None)  # SecAgg+ rounds
         self._set_key(key)
@@ -390,7 +390,7 @@ class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
                   "bytes_in": traffic["in"], "bytes_out": traffic["out"]}
         return {"record": record, "accepted": accepted}
 
-    def _aggregate(self, r: OpenRound, accepted: dict[int, Report]) -> tuple[Any, dict]:
+    def _aggregate(self, r: OpenRound, accepted: dict[int, Reports]) -> tuple[Any, dict]:
         """The new state from the accepted reports (not yet installed) and the metrics."""
         ids = sorted(accepted)
         rows = [accepted[c] for c in ids]

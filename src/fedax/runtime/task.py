@@ -1,28 +1,29 @@
 """What a networked run computes: the task (the experiment config's task part) and the two
 halves of a round built from the algorithm's own ``RoundPieces``.
 
-A ``Task`` is an experiment config (``fedax.experiments.config``) without its engine
+A ``Task`` is an experiment config (``fedax.spec.config``) without its engine
 sections, with what its data say (the population N, one example's shape, the model's
 arguments): names and numbers only, validated by the receiver's own schema and looked up
 in its registries, never code. The server sends it as JSON when a client joins, and server
 and clients build the *same* pieces from it with their own installed fedax through the one
-builder (``fedax.experiments.build``), as the simulator builds the same config.
+builder (``fedax.builder.build``), as the simulator builds the same config.
 
 The round is ``fedax.algorithms.cohort_round`` cut where the network cuts it
 (DESIGN.md, "A round in pieces"):
 
 * ``client_step`` (on each client, jit-compiled): the algorithm's ``client_update`` on the
   client's own batches and per-client state;
-* ``server_step`` (on the server, jit-compiled, over the accepted clients' reports
-  stacked on a leading clients axis): ``reweigh``, the aggregator's client stage
-  (clipping) on every report, its ``reduce`` and ``server`` stages, the federated
-  sum of ``sums`` and the algorithm's ``server_update``.
+* on the server, jit-compiled, over the accepted clients' ``Reports`` stacked on a leading
+  clients axis: ``fedax.algorithms.protocol.apply_reports`` (``reweigh``, the aggregator's
+  client stage (clipping) on every report, its ``reduce`` and ``server`` stages, the
+  federated sum of ``sums`` and the algorithm's ``server_update``), the one server half
+  that every engine receiving reports calls.
 
 The aggregator's client stage runs on the server, not on the client: in the trusted-server
 model (DP-FedAvg, McMahan et al. 2018) the server may see each update, and a stage run on a
 machine the server does not control guarantees nothing (a client could skip its clip).
 Between the two halves the server checks every report (``fedax.runtime.server``,
-``fedax.runtime.checks``); a rejected report never reaches ``server_step``, as
+``fedax.runtime.checks``); a rejected report never reaches ``apply_reports``, as
 ``accept_finite`` keeps a non-finite client out of the simulated round.
 
 Keys: round t's key is ``fold_in(K, t)`` with K the server's *secret* key (drawn from the
@@ -45,13 +46,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fedax import federated as fed
 from fedax.algorithms import ALGORITHMS, RoundPieces, RoundState, init_state
-from fedax.algorithms.base import client_half, server_half
+from fedax.algorithms.base import client_half
+from fedax.algorithms.protocol import Reports
+from fedax.builder.build import build as build_spec
 from fedax.client import Batches
-from fedax.experiments.build import build as build_spec
-from fedax.experiments.config import Config, config_to_dict, validate_config
 from fedax.runtime.security import key_words
+from fedax.spec.config import Config, config_to_dict, validate_config
 
 # An experiment config's sections that say how it runs, not what it computes: the task a
 # client receives is the config without them (``Task.from_config``).
@@ -215,12 +216,12 @@ class Built(NamedTuple):
 
 def build(task: Task) -> Built:
     """The task's ``RoundPieces``, model apply and initial parameters, from the one builder
-    (``fedax.experiments.build.build``), as the simulator builds the same config. With
+    (``fedax.builder.build.build``), as the simulator builds the same config. With
     ``server.lr: learned`` the pieces are the algorithm at its initial η, which the server
     learns by hypergradient descent (``fedax.runtime.holdout``)."""
-    from fedax.experiments.build import make_loss
-    from fedax.experiments.config import resolved_server_optimizer
-    from fedax.experiments.privacy_plan import cohort_size
+    from fedax.builder.build import make_loss
+    from fedax.builder.privacy_plan import cohort_size
+    from fedax.spec.config import resolved_server_optimizer
 
     config, learned = task.spec(), None
     if config.server.lr == "learned":
@@ -242,20 +243,6 @@ def build(task: Task) -> Built:
 # --------------------------------------------------------------------- the two halves
 
 
-class Report(NamedTuple):
-    """What a client sends: its ``ClientMessage`` (the update before any aggregator stage,
-    or, for a task that ``encodes``, the compressed message its aggregator's client stage
-    made, with that stage's stats in ``stage_stats``) and its n_k for the weighted round
-    statistics."""
-
-    update: Any
-    weight: jax.Array
-    stats: dict[str, jax.Array]
-    sums: Any
-    num_examples: jax.Array
-    stage_stats: dict[str, jax.Array] = {}
-
-
 def server_state(pieces: RoundPieces, params: Any) -> RoundState:
     """The server's initial state (no per-client table: clients keep their own)."""
     return init_state(pieces, params)
@@ -274,8 +261,9 @@ def key_from_secret(secret: bytes) -> jax.Array:
 
 def client_step(pieces: RoundPieces, payload: Any, client_state: Any, batches: Batches,
                 num_examples: jax.Array, train_key: Any,
-                stage: Any = None) -> tuple[Report, Any]:
-    """One client's half of a round; returns its ``Report`` and its new per-client state.
+                stage: Any = None) -> tuple[Reports, Any]:
+    """One client's half of a round; returns its ``Reports`` (one client's, unstacked)
+    and its new per-client state.
 
     ``train_key`` is the client's own training key, raw key data. ``stage``
     (a task that ``encodes``): ``{"aggregator": state, "key": raw key}``, the aggregator's
@@ -290,8 +278,8 @@ def client_step(pieces: RoundPieces, payload: Any, client_state: Any, batches: B
         assert stage_fn is not None  # (a task that encodes has a client stage)
         update, weight, stage_stats = stage_fn(
             update, weight, stage["aggregator"], jax.random.wrap_key_data(stage["key"]))
-    report = Report(update, jnp.asarray(weight, jnp.float32), dict(message.stats),
-                    message.sums, jnp.asarray(num_examples, jnp.float32), dict(stage_stats))
+    report = Reports(update, jnp.asarray(weight, jnp.float32), dict(message.stats),
+                     message.sums, jnp.asarray(num_examples, jnp.float32), dict(stage_stats))
     return report, message.client_state
 
 
@@ -300,39 +288,6 @@ def encodes(task: Task) -> bool:
     (``compression``), whose codes are what crosses the wire. The server decodes after
     validating them; every other client stage (a clip) runs on the server."""
     return task.config.get("compression") is not None
-
-
-def server_step(pieces: RoundPieces, state: RoundState, reports: Report,
-                client_keys: jax.Array, real: jax.Array, key: jax.Array,
-                staged: bool = False,
-                unit_weights: bool = False) -> tuple[RoundState, dict[str, jax.Array]]:
-    """The server's half of round ``state.round`` on the accepted reports (client-placed:
-    leading axis C; padding rows, ``real`` False, have weight 0 and zeros), with the
-    finite and bounds checks done per report before this call: ``reweigh``, then
-    ``fedax.algorithms.server_half``, the function the simulator's round runs, with the
-    aggregator's client stage on each report and its key ``client_keys[i]`` (raw key
-    data, the i-th selected client's of ``round_keys``); ``staged``: the clients ran it
-    (``encodes``), and their stage stats are summed here. ``unit_weights`` (DP over a
-    compressed uplink): each report's weight is set again to 1 (0 if it reported none),
-    as DP-FedAvg's client stage sets it, so a client's contribution stays within the
-    sensitivity whatever it claims (the decoded message is clipped again by the
-    aggregator's reduction)."""
-    weights = reports.weight
-    if unit_weights:
-        weights = (weights > 0).astype(weights.dtype)
-    if pieces.reweigh is not None:  # before the aggregator, as in ``cohort_round``
-        weights = pieces.reweigh(weights, reports.stats)
-    staged_stats = None
-    if staged:
-        staged_stats = jax.tree.map(
-            lambda v: jnp.where(real.reshape(real.shape + (1,) * (v.ndim - 1)), v, 0),
-            reports.stage_stats)
-        staged_stats = fed.sum(staged_stats) if jax.tree.leaves(staged_stats) else None
-    new_state, metrics = server_half(pieces, state, reports.update, weights, reports.stats,
-                                     reports.sums, reports.num_examples, key, real,
-                                     client_keys=client_keys, staged=staged,
-                                     staged_stats=staged_stats)
-    return new_state._replace(clients=None), metrics
 
 
 def broadcast(pieces: RoundPieces, state: RoundState, encoded: bool) -> dict[str, Any]:
@@ -371,7 +326,7 @@ def key_data_template() -> jax.ShapeDtypeStruct:
 def report_template(pieces: RoundPieces, params: Any, input_shape: list[int],
                     input_dtype: str = "float32", label_shape: Sequence[int] = (),
                     encoded: bool = False) -> Any:
-    """Shapes and dtypes of one client's ``Report`` (the server checks every report
+    """Shapes and dtypes of one client's ``Reports`` (the server checks every report
     against it); independent of the client's batch shapes."""
     sent = payload_template(pieces, params, encoded)
     batches = Batches._make([  # (a template: ShapeDtypeStruct leaves)

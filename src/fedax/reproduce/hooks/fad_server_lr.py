@@ -105,9 +105,9 @@ class Task:
 
 def load_task(spec: Mapping[str, Any], seed: int) -> Task:
     """The task ``spec`` (see :class:`Task`), its data built as a fedax config's."""
-    from fedax.experiments.config import validate_config
-    from fedax.experiments.datasets import build_data
+    from fedax.builder.datasets import build_data
     from fedax.models import get_model
+    from fedax.spec.config import validate_config
 
     data = build_data(validate_config({
         "rounds": 1, "model": "logistic", "algorithm": "fedavg", "client_fraction": 1.0,

@@ -25,11 +25,11 @@ def _load(settings: Mapping[str, Any], seed: int):
     rate, through the experiment config (so data and model are ``fedax run``'s)."""
     import jax
 
-    from fedax.experiments.build import build_algorithm
-    from fedax.experiments.config import validate_config
-    from fedax.experiments.datasets import build_data
+    from fedax.builder.build import build_algorithm
+    from fedax.builder.datasets import build_data
     from fedax.models import get_model
     from fedax.simulation import PartitionSource, make_evaluator
+    from fedax.spec.config import validate_config
 
     config = validate_config({
         "seed": seed, "rounds": 1, "dataset": "mnist", "algorithm": "fedavg",

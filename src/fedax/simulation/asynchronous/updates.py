@@ -1,5 +1,7 @@
 """The device side of asynchronous simulation: the pool of computed updates awaiting
-delivery, what a client trip computes into it, and the server update of a full buffer.
+delivery (a ``Reports`` record, ``[capacity, ...]`` per leaf, whose ``update`` is the
+update after the aggregator's client stage: with ``mixing``, the client's local model), what
+a client trip computes into it, and the server update of a full buffer.
 
 Everything runs the algorithm's ``RoundPieces``: ``payload`` and ``client_update`` (the
 client half) when a client starts, ``server_update`` (the server half) at every buffer
@@ -30,24 +32,10 @@ import jax.numpy as jnp
 
 from fedax import federated as fed
 from fedax.algorithms import FederatedAlgorithm, RoundPieces, RoundState
-from fedax.algorithms.base import client_finite, client_half, keep_clients, server_half
+from fedax.algorithms.base import client_finite, client_half, keep_clients
+from fedax.algorithms.protocol import Reports, apply_reports
 from fedax.simulation.asynchronous.config import AsyncConfig
 from fedax.simulation.sources import PartitionSource
-
-
-class Pool(NamedTuple):
-    """Computed updates awaiting delivery, ``[capacity, ...]`` per leaf.
-
-    ``value`` is the update after the aggregator's client stage (with ``mixing``, the
-    client's local model), ``weight`` its weight, ``num_examples`` n_k, ``stats`` the
-    client's statistics, ``aggregator_stats`` its client stage's, ``sums`` its sums."""
-
-    value: Any
-    weight: jax.Array
-    num_examples: jax.Array
-    stats: Any
-    aggregator_stats: Any
-    sums: Any
 
 
 def check_pieces(algorithm: FederatedAlgorithm | RoundPieces, config: AsyncConfig) -> RoundPieces:
@@ -74,7 +62,7 @@ class UpdateFunctions(NamedTuple):
 
     Attributes:
       compute: ``compute(state, placed, idx, mask, num_examples, client_ids, trips,
-        streams) -> (Pool rows, finite & real)``: a chunk of trips' updates.
+        streams) -> (Reports rows, finite & real)``: a chunk of trips' updates.
       compute_into: ``compute`` written into the pool at ``slots``: ``(pool, finite)``.
       server_step: ``server_step(state, pool, slots, taus, key) -> (state, metrics)``: one
         server update from the K buffered updates.
@@ -109,27 +97,24 @@ def stage_each(aggregator: Any, values: Any, weights: jax.Array, downloaded: Any
     return fed.map_clients(one, values, weights, raw_keys, *at)
 
 
-def buffered_step(pieces: RoundPieces, state: RoundState, buffered: Pool, taus: jax.Array,
-                  key: jax.Array, staleness: Any, mixing: bool = False
+def buffered_step(pieces: RoundPieces, state: RoundState, buffered: Reports,
+                  taus: jax.Array, key: jax.Array, staleness: Any, mixing: bool = False
                   ) -> tuple[RoundState, dict[str, jax.Array]]:
-    """FedBuff's server step on K buffered updates, in both asynchronous engines (the
+    """FedBuff's server step on K buffered reports, in both asynchronous engines (the
     virtual clock's flush and ``fedax.runtime.async_server``): each value scaled by its
     staleness weight s(τ_k) (with ``mixing``, FedAsync's value ``w_current − w_local``
-    first), then ``server_half`` with the aggregator's client stage already run
+    first), then ``apply_reports`` with the aggregator's client stage already run
     (``staged``: where each update was computed, with its version's state; its per-update
-    statistics in ``buffered.aggregator_stats`` are summed here):
+    statistics in ``buffered.stage_stats`` are summed there):
     x ← server_update(x, reduce_k(w_k, s(τ_k) Δ_k)). Metrics gain
     ``mean_staleness_weight``."""
-    values = buffered.value
+    values = buffered.update
     if mixing:  # w_current − w_local
         current = fed.broadcast(pieces.server_params(state.server), taus.shape[0])
         values = jax.tree.map(jnp.subtract, current, values)
     values, scale = staleness.scale(values, taus)
-    stage_stats = buffered.aggregator_stats
-    summed = fed.sum(stage_stats) if jax.tree.leaves(stage_stats) else None
-    state, metrics = server_half(
-        pieces, state, values, buffered.weight, dict(buffered.stats), buffered.sums,
-        buffered.num_examples, key, staged=True, staged_stats=summed)
+    state, metrics = apply_reports(pieces, state, buffered._replace(update=values), key,
+                                   staged=True)
     metrics["mean_staleness_weight"] = jnp.mean(scale)
     return state, metrics
 
@@ -175,9 +160,10 @@ def update_functions(pieces: RoundPieces, source: PartitionSource,
                 else state.aggregator
             values, weights, aggregator_stats = stage_each(aggregator, values, weights,
                                                            downloaded, keys)
-        out = Pool(values, weights, cohort.num_examples, message.stats, aggregator_stats,
-                   keep_clients(message.sums, finite) if jax.tree.leaves(message.sums)
-                   else message.sums)
+        sums = (keep_clients(message.sums, finite) if jax.tree.leaves(message.sums)
+                else message.sums)
+        out = Reports(values, weights, message.stats, sums, cohort.num_examples,
+                      aggregator_stats)
         return out, finite & real
 
     def compute_into(state, pool, placed, idx, mask, num_examples, client_ids, trips, streams,
@@ -188,7 +174,7 @@ def update_functions(pieces: RoundPieces, source: PartitionSource,
                             pool, out)
         return pool, finite
 
-    def server_step(state: RoundState, pool: Pool, slots, taus, key):
+    def server_step(state: RoundState, pool: Reports, slots, taus, key):
         """One server update from the K buffered updates (``slots`` into the pool)."""
         buffered = jax.tree.map(lambda leaf: leaf[slots], pool)
         state, metrics = buffered_step(pieces, state, buffered, taus, key, config.staleness,
@@ -202,5 +188,5 @@ def update_functions(pieces: RoundPieces, source: PartitionSource,
     return UpdateFunctions(compute, compute_into, server_step)
 
 
-__all__ = ["Pool", "UpdateFunctions", "buffered_step", "check_pieces", "stage_each",
+__all__ = ["UpdateFunctions", "buffered_step", "check_pieces", "stage_each",
            "update_functions", "weigh"]

@@ -2,7 +2,7 @@
 (``PrivacyConfig``), a compressed uplink (``CompressionConfig``), secure aggregation
 (``SecureConfig``), a robust aggregator (``RobustConfig``) and the simulated attackers it
 is meant to withstand (``AttackConfig``); each a strict pydantic model whose validator
-checks the keys that go together (``fedax.experiments.sections`` has the others)."""
+checks the keys that go together (``fedax.spec.sections`` has the others)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from fedax.experiments.sections import Number, _KeyedError, _Section
+from fedax.spec.sections import Number, _KeyedError, _Section
 
 
 class PrivacyConfig(_Section):
@@ -40,7 +40,7 @@ class PrivacyConfig(_Section):
     (``private_combination``): an algorithm that uploads exact sums beside its update
     (SCAFFOLD, FedNova: their registry's ``exact_sums``) cannot run under user-level DP,
     and ``server.lr: learned`` privatizes its holdout hypergradient (``learned_lr.clip``),
-    one more release a round (``fedax.experiments.privacy_plan``)."""
+    one more release a round (``fedax.builder.privacy_plan``)."""
 
     level: Literal["user", "example"] = "user"
     mechanism: Literal["gaussian", "adaptive", "adaclip", "skellam",

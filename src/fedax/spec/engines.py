@@ -1,4 +1,4 @@
-"""The engine sections of an experiment config (``fedax.experiments.config``):
+"""The engine sections of an experiment config (``fedax.spec.config``):
 ``execution`` (which engine, ``mode: sync | async | network``, and how the simulator
 executes), ``asynchronous`` (FedBuff's buffer, concurrency, latency and staleness) and
 ``network`` (the gRPC server's cohort, deadlines and setup), with what each engine refuses
@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from fedax.algorithms import ALGORITHMS
-from fedax.experiments.sections import Number, _Section
+from fedax.spec.sections import Number, _Section
 
 
 class ExecutionConfig(_Section):

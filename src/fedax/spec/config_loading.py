@@ -1,6 +1,6 @@
 """Reading an experiment config: the YAML file (a key given twice is an error) and the
 ``--set key=value`` overrides, each failure a one-line :class:`ConfigError` naming the file
-or the key. ``fedax.experiments.config.load_config`` validates what these read."""
+or the key. ``fedax.spec.config.load_config`` validates what these read."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any, get_origin
 import yaml
 from pydantic import BaseModel
 
-from fedax.experiments.config_messages import _allowed, _section, _unknown_key
-from fedax.experiments.errors import ConfigError
+from fedax.spec.config_messages import _allowed, _section, _unknown_key
+from fedax.spec.errors import ConfigError
 
 
 def apply_override(data: dict[str, Any], override: str, root: type[BaseModel]) -> None:

@@ -17,11 +17,11 @@ import optax
 
 from fedax.algorithms import ALGORITHMS, FederatedAlgorithm
 from fedax.algorithms import make as make_algorithm
+from fedax.builder.privacy_plan import PrivacyPlan, cohort_size, compressor, privacy_plan
+from fedax.builder.secure_plan import secure_aggregator
 from fedax.client import Batches
-from fedax.experiments.config import Config, ConfigError, resolved_server_optimizer
-from fedax.experiments.privacy_plan import PrivacyPlan, cohort_size, compressor, privacy_plan
-from fedax.experiments.secure_plan import secure_aggregator
 from fedax.models import get_model, softmax_cross_entropy, with_precision
+from fedax.spec.config import Config, ConfigError, resolved_server_optimizer
 
 
 class Built(NamedTuple):
@@ -38,7 +38,7 @@ def build(config: Config, *, num_clients: int, model_kwargs: dict[str, Any],
           sequence: bool = False, client_sizes: Any = None) -> Built:
     """``config``'s algorithm for a population of ``num_clients`` on the model
     ``get_model(config.model, **model_kwargs)`` at ``config.precision``: the aggregator of
-    its ``secure`` section (``fedax.experiments.secure_plan``), else of its privacy plan
+    its ``secure`` section (``fedax.builder.secure_plan``), else of its privacy plan
     (``client_sizes``, the n_k, are needed for example-level accounting and the secure
     mean's default largest weight), else of its ``robust`` section, else the weighted
     mean."""
@@ -181,7 +181,7 @@ def build_algorithm(config: Config, apply_fn, *, sequence: bool = False,
             optax.adam(config.learned_lr.hyper_lr), config.learned_lr.mode)
     if config.privacy is not None:
         raise ConfigError("config key 'server.lr': 'learned' with privacy needs the plan's "
-                          "holdout privacy (fedax.experiments.privacy_plan)")
+                          "holdout privacy (fedax.builder.privacy_plan)")
 
     return learned_server_lr_in_state(
         algorithm, server.hyperparameters["lr"], loss_fn,

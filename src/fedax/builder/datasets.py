@@ -10,10 +10,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fedax import data as fdata
-from fedax.experiments.config import (
+from fedax.simulation.evaluation import client_index
+from fedax.spec.config import (
     Config,
 )
-from fedax.simulation.evaluation import client_index
 
 _DATASETS: dict[str, Any] = {}
 

@@ -1,4 +1,4 @@
-"""One-line messages for a config that does not validate (``fedax.experiments.config``):
+"""One-line messages for a config that does not validate (``fedax.spec.config``):
 the key at fault, dotted, and what it accepts in words (derived from the schema's
 annotations and constraints), or the key an unknown one most likely misspells."""
 
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from fedax.experiments.sections import _KeyedError
+from fedax.spec.sections import _KeyedError
 
 
 def _unwrap_optional(annotation: Any) -> tuple[Any, bool]:

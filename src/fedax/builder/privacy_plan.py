@@ -12,7 +12,7 @@ Under ``privacy:`` every client-to-server upload of a round is one of
   ``extra_releases_per_round``);
 * a **diagnostic** the records carry beside the model (``train_loss``, ``local_steps``,
   ``clipped_clients``, ``rejected_clients``, ...): named in ``summary.json`` as not covered;
-* anything else is **refused at config time** (``fedax.experiments.config``, from what the
+* anything else is **refused at config time** (``fedax.spec.config``, from what the
   registries declare: an algorithm's ``exact_sums``, its ``example_dp``), never run.
 
 The neighbouring relation is the ledger's, one for every line of the summary: fixed-size
@@ -26,7 +26,7 @@ import math
 from typing import Any, NamedTuple
 
 from fedax import data as fdata
-from fedax.experiments.config import Config, ConfigError
+from fedax.spec.config import Config, ConfigError
 
 # Round metrics that are released privately (noised, or post-processing of noised values)
 # or are public functions of the configuration; every other per-round column computed from
@@ -49,7 +49,7 @@ NEIGHBOURS = {
 
 class PrivacyPlan(NamedTuple):
     """A DP run's mechanism and accounting (its aggregator is built from it by
-    ``fedax.experiments.build.privacy_aggregator``).
+    ``fedax.builder.build.privacy_aggregator``).
 
     Attributes:
       noise_multiplier: z, given or calibrated to the budget.

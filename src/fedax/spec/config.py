@@ -39,26 +39,26 @@ from pydantic import (
 
 from fedax.algorithms import ALGORITHMS
 from fedax.algorithms.server_optimizers import ResolvedServerOptimizer
-from fedax.experiments.aggregation_sections import (
+from fedax.spec.aggregation_sections import (
     AttackConfig,
     CompressionConfig,
     PrivacyConfig,
     RobustConfig,
     SecureConfig,
 )
-from fedax.experiments.config_loading import apply_override, read_config_file
+from fedax.spec.config_loading import apply_override, read_config_file
 
 # _allowed and _section are read from here by tools/docs_hooks.py (the config keys page).
-from fedax.experiments.config_messages import _allowed, _one_line, _section  # noqa: F401
-from fedax.experiments.engines import (
+from fedax.spec.config_messages import _allowed, _one_line, _section  # noqa: F401
+from fedax.spec.engines import (
     AsynchronousConfig,
     ExecutionConfig,
     NetworkConfig,
     async_combination,
     network_combination,
 )
-from fedax.experiments.errors import ConfigError
-from fedax.experiments.sections import (
+from fedax.spec.errors import ConfigError
+from fedax.spec.sections import (
     BatchSize,
     ClientConfig,
     LearnedLRConfig,
@@ -71,6 +71,7 @@ from fedax.experiments.sections import (
     _Section,
     algorithm_options_problem,
 )
+from fedax.spec.secure_rules import secure_combination
 
 
 class Config(_Section):
@@ -285,8 +286,6 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _private_combination(self) -> Config:
-        from fedax.experiments.secure_plan import secure_combination
-
         refused = private_combination(self) or secure_combination(self)
         if refused is not None:
             raise _KeyedError(*refused)
@@ -408,7 +407,7 @@ def check_against_data(config: Config, client_sizes: Iterable[int]) -> None:
 # a section or key that is off is left out, so an older run's saved config and this dump
 # compare equal (its resume, its finished-run check) and a config validates back.
 def config_to_dict(config: Config) -> dict[str, Any]:
-    """A JSON-serializable dict of ``config``, a ``fedax.experiments.config.Config`` (B = inf
+    """A JSON-serializable dict of ``config``, a ``fedax.spec.config.Config`` (B = inf
     as ``"inf"``); it validates back.
     ``learned_lr`` appears only with ``server.lr: learned`` (it applies only then), and
     ``privacy``, ``compression``, ``robust``, ``secure`` and ``attack`` only when given, and

@@ -7,11 +7,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fedax.experiments.config import (
+from fedax.builder.datasets import FederatedData
+from fedax.builder.privacy_plan import compressor
+from fedax.spec.config import (
     Config,
 )
-from fedax.experiments.datasets import FederatedData
-from fedax.experiments.privacy_plan import compressor
 
 
 class AttackPlan(NamedTuple):

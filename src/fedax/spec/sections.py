@@ -1,10 +1,10 @@
-"""The sections of an experiment config (``fedax.experiments.config``): the server
+"""The sections of an experiment config (``fedax.spec.config``): the server
 optimizer, the data sets', local training on the clients and the learned server lr, each a
 strict pydantic model that forbids unknown keys, and the value types they share
 (``Number``, ``BatchSize``); the sections of what the server aggregates (privacy,
 compression, secure and robust aggregation, attacks) are in
-``fedax.experiments.aggregation_sections``, the engine sections in
-``fedax.experiments.engines``. A validator's error about another key than its own is a
+``fedax.spec.aggregation_sections``, the engine sections in
+``fedax.spec.engines``. A validator's error about another key than its own is a
 ``_KeyedError`` naming that key (dotted)."""
 
 from __future__ import annotations
