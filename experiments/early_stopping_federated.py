@@ -43,8 +43,8 @@ from typing import Any
 
 import jax
 
-from fedax.spec.config import validate_config
 from fedax.experiments.run import run_experiment
+from fedax.spec.config import validate_config
 
 BASE = {"seed": 0, "dataset": "mnist", "num_clients": 100, "partition": "pathological",
         "model": "2nn", "algorithm": "fedavg", "client_fraction": 0.1, "local_epochs": 5,
@@ -134,13 +134,13 @@ def criterion_at(config: Any, run_dir: Path, batches_per_client: int = 5) -> dic
     import jax.numpy as jnp
     import numpy as np
 
+    from fedax.builder.datasets import build_data
     from fedax.client import Batches
     from fedax.client.early_stopping import (
         RELATIVE_SPREAD,
         eb_statistics,
         per_example_gradients,
     )
-    from fedax.builder.datasets import build_data
     from fedax.models import get_model
     from fedax.models.losses import token_cross_entropy
     from fedax.simulation.checkpoint import decode_state, list_checkpoints, read_checkpoint

@@ -30,8 +30,8 @@ from typing import Any
 
 import jax
 
-from fedax.spec.config import validate_config
 from fedax.experiments.run import run_experiment
+from fedax.spec.config import validate_config
 
 BASE = {"seed": 0, "dataset": "mnist", "num_clients": 1000, "partition": "pathological",
         "model": "2nn", "algorithm": "fedavg", "client_fraction": 0.1, "local_epochs": 1,

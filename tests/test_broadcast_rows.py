@@ -125,6 +125,7 @@ def test_the_model_is_not_copied_to_every_client():
     np.testing.assert_allclose(values[False], values[True], rtol=1e-6)
 
 
+@pytest.mark.slow  # a benchmark's run; the forms' equality is tested above
 def test_the_benchmark_compares_the_two_forms(tmp_path):
     """``benchmarks/bench_broadcast_rows.py`` at toy size: both forms of both parts ran, and
     the row-by-row form (the baseline) really holds the model's copy that read-once does

@@ -19,8 +19,9 @@ def workdir(tmp_path, monkeypatch):
     return tmp_path
 
 
-# The two longest pages (each trains MNIST models for most of a minute) run in make test-slow.
-SLOW_PAGES = {"tutorials/robust.md", "tutorials/engines.md"}
+# The four longest pages (each trains MNIST models for most of a minute) run in make test-slow.
+SLOW_PAGES = {"tutorials/robust.md", "tutorials/engines.md", "tutorials/compression.md",
+              "tutorials/asynchronous.md"}
 
 
 def _page(p):

@@ -393,6 +393,7 @@ def test_a_fedavg_round_compiles_without_a_stack_of_updates():
     assert temp[True] < stack / 4, temp
 
 
+@pytest.mark.slow  # a benchmark's run; the forms' equality is tested above
 def test_the_benchmark_compares_the_three_forms(tmp_path):
     """``benchmarks/bench_fused_sum.py`` at toy size: every form of both parts ran, the
     forms' models agree, and the stacked baselines really hold the K updates that the

@@ -40,6 +40,7 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and value > 0
 
 
+@pytest.mark.slow  # the whole GPU script at toy sizes: 2 minutes on 2 cores
 def test_gpu_run_script_smoke(tmp_path, child_env):
     out = tmp_path / "out"
     committed_before = _digest(COMMITTED)

@@ -274,11 +274,11 @@ def test_learned_client_weights_down_weight_mislabelled_clients():
     assert float(jnp.max(weights[: C // 2])) < float(jnp.min(weights[C // 2 :]))
 
 
-def test_forward_mode_through_a_reverse_only_cnn_names_the_fix():
-    """The CPU CNN default (conv_impl='lax_vjp') has a reverse-mode-only rule: forward-mode
-    hypergradients say what to do; with conv_impl='lax' they equal reverse mode. (That
-    lax_vjp's gradients equal lax's is tested in test_models; comparing against reverse
-    mode through 'lax' here compiles in less than half the time of 'lax_vjp'.)"""
+_HPARAMS = {"client_lr": 0.1, "server_lr": 1.0}
+
+
+def _cnn_hypergradient(conv_impl, mode):
+    """The hypergradient of one FedAvg round of the paper's CNN (2 clients, 1 step of 2)."""
     from fedax.models import get_model, softmax_cross_entropy
 
     rng = np.random.default_rng(0)
@@ -287,25 +287,34 @@ def test_forward_mode_through_a_reverse_only_cnn_names_the_fix():
     cohort = CohortBatches(Batches(x, y, np.ones((2, 1, 2), np.float32)),
                            np.ones(2, np.float32), np.arange(2, dtype=np.int32))
     cohorts = jax.tree.map(lambda a: a[None], cohort)
-    hparams = {"client_lr": jnp.float32(0.1), "server_lr": jnp.float32(1.0)}
+    hparams = {k: jnp.float32(v) for k, v in _HPARAMS.items()}
+    model = get_model("cnn", conv_impl=conv_impl)
 
-    def run(conv_impl, mode):
-        model = get_model("cnn", conv_impl=conv_impl)
+    def loss(p, b):
+        return softmax_cross_entropy(model.apply(p, b.x), b.y, b.mask)
 
-        def loss(p, b):
-            return softmax_cross_entropy(model.apply(p, b.x), b.y, b.mask)
+    def make(h):
+        return fedavg(loss, optax.sgd(h["client_lr"]), optax.sgd(h["server_lr"]))
 
-        def make(h):
-            return fedavg(loss, optax.sgd(h["client_lr"]), optax.sgd(h["server_lr"]))
+    params = jax.jit(model.init)(jax.random.key(0))
+    # Compiled as one program, as users run it (op by op it takes several times longer).
+    return jax.jit(lambda h, p: hypergradient(make, h, p, cohorts, cohort, loss, mode=mode))(
+        hparams, params)
 
-        params = jax.jit(model.init)(jax.random.key(0))
-        # Compiled as one program, as users run it (op by op it takes several times longer).
-        return jax.jit(lambda h, p: hypergradient(make, h, p, cohorts, cohort, loss, mode=mode))(
-            hparams, params)
 
+def test_forward_mode_through_a_reverse_only_cnn_names_the_fix():
+    """The CPU CNN default (conv_impl='lax_vjp') has a reverse-mode-only rule: forward-mode
+    hypergradients say what to do."""
     with pytest.raises(TypeError, match="conv_impl='lax'"):
-        run("lax_vjp", "forward")
-    _, forward = run("lax", "forward")
-    _, reverse = run("lax", "reverse")
-    for name in hparams:
+        _cnn_hypergradient("lax_vjp", "forward")
+
+
+@pytest.mark.slow  # two CNN hypergradient programs: half a minute to compile on 2 cores
+def test_forward_mode_through_the_lax_cnn_equals_reverse_mode():
+    """With conv_impl='lax' forward mode equals reverse mode. (That lax_vjp's gradients
+    equal lax's is tested in test_models; comparing against reverse mode through 'lax' here
+    compiles in less than half the time of 'lax_vjp'.)"""
+    _, forward = _cnn_hypergradient("lax", "forward")
+    _, reverse = _cnn_hypergradient("lax", "reverse")
+    for name in _HPARAMS:
         np.testing.assert_allclose(forward[name], reverse[name], rtol=2e-3, atol=1e-6)

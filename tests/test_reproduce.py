@@ -101,6 +101,7 @@ def test_speedups_ratio_check_and_the_grid_cap():
     assert table._cap(experiment, cell, [(0.1, {"rounds_to_target": 3.5})]) == 5
 
 
+@pytest.mark.slow  # an end-to-end reproduction
 def test_reproduce_picks_the_best_lr_writes_the_report_and_reuses_runs(tmp_path):
     experiment = _tiny_experiment()
     out = tmp_path / "rep"

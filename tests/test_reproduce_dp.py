@@ -97,6 +97,7 @@ def test_adaptive_clipping_end_to_end(tmp_path):
         report.split("## Figures")[1]
 
 
+@pytest.mark.slow  # an end-to-end reproduction
 def test_dp_fedavg_end_to_end(tmp_path):
     paper = _tiny(FEDAVG, levels=[{"z": 0.0}, {"z": 1.0}])
     results = _run(paper, tmp_path)

@@ -5,6 +5,8 @@ rewrites the same report."""
 
 from dataclasses import replace
 
+import pytest
+
 from fedax.reproduce import EXPERIMENTS, reproduce
 
 PAPER = EXPERIMENTS["fedbuff"]
@@ -18,6 +20,7 @@ def _tables(text):
     return [line for line in text.splitlines() if line.startswith("|")]
 
 
+@pytest.mark.slow  # an end-to-end reproduction
 def test_fedbuff_paper_runs_end_to_end(tmp_path):
     paper = replace(PAPER, settings={"common": PAPER.settings["common"], "quick": TINY})
     logs: list[str] = []

@@ -46,8 +46,8 @@ from fedax.runtime.gate import REFUSED, Gate
 from fedax.runtime.security import CLIENT_ID_KEY, TOKEN_KEY
 from fedax.runtime.task import build, report_template, server_state
 
-# A live server with deadlines of seconds: `make test` runs these alone (pyproject `serial`).
-pytestmark = pytest.mark.serial
+# The tests of a live server (deadlines of seconds) are marked `serial`: `make test` runs
+# them alone; the pure ones (wire, store, checks, gate) run beside the rest of the suite.
 
 # Hypothesis keeps caches (never an example database here: database=None) in its home
 # directory, by default ./.hypothesis: keep it out of the tree.
@@ -853,6 +853,7 @@ raw_items = st.lists(st.one_of(
               st.booleans())), max_size=8)
 
 
+@pytest.mark.serial  # a live server with deadlines of seconds
 @LIVE
 @given(items=raw_items)
 @example(items=[wire.Chunk(data=b"", last=False).SerializeToString()] * 3)
@@ -873,6 +874,7 @@ def _random_tensor(draw) -> Any:
                        data=draw(st.binary(max_size=48)))
 
 
+@pytest.mark.serial  # a live server with deadlines of seconds
 @LIVE
 @given(data=st.data())
 def test_submit_of_random_reports_is_refused_with_a_reason(joined, data):
@@ -938,6 +940,7 @@ def _header_int(value: str | None) -> int | None:
         return None
 
 
+@pytest.mark.serial  # a live server with deadlines of seconds
 @LIVE
 @given(data=st.data())
 def test_submit_with_random_report_headers(joined, data):
@@ -959,6 +962,7 @@ def test_submit_with_random_report_headers(joined, data):
     assert_verdict(reply, err, expected)
 
 
+@pytest.mark.serial  # a live server with deadlines of seconds
 @LIVE
 @given(data=st.data())
 def test_report_headers_of_any_unicode(joined, data):
@@ -990,6 +994,7 @@ def test_report_headers_of_any_unicode(joined, data):
 # stays up. Reproduced over the wire with the `h2` package (a Submit whose `fedax-nonce`
 # header is b"\xc3\xa9"); here through the behaviour itself, as gRPC calls it. Fix idea:
 # compare bytes (`nonce.encode()`, `issued.encode()`) or refuse a non-ASCII header first.
+@pytest.mark.serial  # a live server with deadlines of seconds
 def test_a_non_ascii_nonce_is_refused_with_a_reason(joined):
     live = joined
     task = fresh_task(live.conn)
@@ -1042,6 +1047,7 @@ def _call(live: Live, method: str, metadata: tuple, body: list[bytes]) -> Any:
     return call(body[0] if body else b"", metadata=metadata, timeout=CALL_S)
 
 
+@pytest.mark.serial  # a live server with deadlines of seconds
 @LIVE
 @given(data=st.data(), method=st.sampled_from(["Join", "Poll", "Submit"]))
 def test_random_credentials_are_refused_before_any_work(live, data, method):
@@ -1062,6 +1068,7 @@ def test_random_credentials_are_refused_before_any_work(live, data, method):
     assert set(live.server.last_seen) <= set(seen) | {0}  # client 0 fuzzes alongside
 
 
+@pytest.mark.serial  # a live server with deadlines of seconds
 @pytest.mark.parametrize("method", ["Join", "Poll", "Submit", "Status"])
 def test_oversized_metadata_is_refused(live, method):
     """Metadata past gRPC's hard limit (16 KiB): refused by gRPC, with a reason."""
@@ -1071,6 +1078,7 @@ def test_oversized_metadata_is_refused(live, method):
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.details()
 
 
+@pytest.mark.serial  # a live server with deadlines of seconds
 @LIVE
 @given(data=st.data())
 def test_status_answers_any_metadata(live, data):
@@ -1087,6 +1095,7 @@ def test_status_answers_any_metadata(live, data):
                         st.text(PRINTABLE, max_size=30), st.just("9" * 5000),
                         st.sampled_from(["", "0", "-1", "1023", "1024", "4096", "4097",
                                          "1e9", " 2048 ", "2_048"])))
+@pytest.mark.serial  # a live server with deadlines of seconds
 def test_join_with_random_chunk_sizes(live, wanted):
     """Any ``MAX_CHUNK_KEY`` a client sends: a chunk size within [1024, the server's]:
     the one it asked for when it is an int in range, the server's when it is no int."""
@@ -1098,6 +1107,7 @@ def test_join_with_random_chunk_sizes(live, wanted):
         "algorithm"] == "fedavg"
 
 
+@pytest.mark.serial  # a live server with deadlines of seconds
 def test_server_is_up_after_the_fuzzing(live):
     """After the fuzzing: the server answers Status, its rounds still run (no error),
     every refusal was counted by reason code, and an honest client (client 1) polls, gets
@@ -1142,6 +1152,7 @@ def test_server_is_up_after_the_fuzzing(live):
 # `server.stop()`. Fix idea: the Gate takes requests as bytes (no deserializer) and the
 # behaviour parses each Chunk itself (a `malformed` WireError), or the behaviour answers
 # nothing once `context.is_active()` is False. Not strict: the hang is a race.
+@pytest.mark.serial  # a live server with deadlines of seconds
 def test_server_stops_after_unparsable_chunks(tmp_path_factory):
     pki = make_dev_pki(tmp_path_factory.mktemp("pki-stop"), num_clients=1)
     server, port = start_server(make_task(), pki, key=None, rounds=1000, cohort_size=2,
