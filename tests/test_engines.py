@@ -342,9 +342,9 @@ def test_the_async_servers_step_is_fedbuffs(tmp_path, weighting):
     simulator's ``AsyncConfig.weighting``)."""
     from fedax.algorithms.protocol import Reports
     from fedax.runtime import Registry, ServerConfig, ServerTLS, make_dev_pki
-    from fedax.runtime.async_server import AsyncServer, Buffered
+    from fedax.runtime.async_server import AsyncServer
     from fedax.runtime.task import round_key
-    from fedax.simulation.asynchronous import Staleness
+    from fedax.simulation.asynchronous import AsyncConfig, Staleness
 
     pki = make_dev_pki(tmp_path, 4)
     config = {"seed": 1, "rounds": 2, "dataset": "synthetic", "model": "logistic",
@@ -353,7 +353,7 @@ def test_the_async_servers_step_is_fedbuffs(tmp_path, weighting):
     task = Task(config, 4, [3], {"input_dim": 3, "num_classes": 2})
     server = AsyncServer(task, ServerConfig(rounds=2, cohort_size=3),
                          ServerTLS(pki["cert"], pki["key"]), Registry.load(pki["registry"]),
-                         buffered=Buffered(3, 4, Staleness("polynomial", 0.5),
+                         buffered=AsyncConfig(3, 4, Staleness("polynomial", 0.5),
                                            weighting=weighting))
     rng = np.random.default_rng(0)
     before = {k: np.asarray(v) for k, v in server.params["dense"].items()}
@@ -385,9 +385,9 @@ def test_the_async_server_stages_each_report_with_its_downloaded_version(tmp_pat
     from fedax.aggregators.adaptive_clipping import QuantileClipState
     from fedax.algorithms.protocol import Reports
     from fedax.runtime import Registry, ServerConfig, ServerTLS, make_dev_pki
-    from fedax.runtime.async_server import AsyncServer, Buffered
+    from fedax.runtime.async_server import AsyncServer
     from fedax.runtime.task import round_key
-    from fedax.simulation.asynchronous import Staleness
+    from fedax.simulation.asynchronous import AsyncConfig, Staleness
 
     pki = make_dev_pki(tmp_path, 4)
     config = {"seed": 1, "rounds": 2, "dataset": "synthetic", "model": "logistic",
@@ -398,7 +398,7 @@ def test_the_async_server_stages_each_report_with_its_downloaded_version(tmp_pat
     task = Task(config, 4, [3], {"input_dim": 3, "num_classes": 2})
     server = AsyncServer(task, ServerConfig(rounds=2, cohort_size=3),
                          ServerTLS(pki["cert"], pki["key"]), Registry.load(pki["registry"]),
-                         buffered=Buffered(3, 4, Staleness("constant")))
+                         buffered=AsyncConfig(3, 4, Staleness("constant")))
     assert float(server.state.aggregator.clip) == 0.5  # the current version's clip
     rng = np.random.default_rng(0)
     before = {k: np.asarray(v) for k, v in server.params["dense"].items()}
@@ -445,9 +445,9 @@ def test_equal_weighting_changes_both_async_engines_alike(tmp_path):
 
     from fedax.builder.datasets import build_data
     from fedax.runtime import Registry, ServerConfig, ServerTLS, make_dev_pki
-    from fedax.runtime.async_server import AsyncServer, Buffered
+    from fedax.runtime.async_server import AsyncServer
     from fedax.runtime.launch import client_examples, network_task
-    from fedax.simulation.asynchronous import Staleness
+    from fedax.simulation.asynchronous import AsyncConfig, Staleness
 
     models = {}
     for weighting in ("algorithm", "equal"):
@@ -466,7 +466,7 @@ def test_equal_weighting_changes_both_async_engines_alike(tmp_path):
                                       deadline_s=60.0),
                          ServerTLS(pki["cert"], pki["key"]), Registry.load(pki["registry"]),
                          key=jax.random.key(config.seed), start_with=6,
-                         buffered=Buffered(6, 6, Staleness("constant"), weighting="equal"))
+                         buffered=AsyncConfig(6, 6, Staleness("constant"), weighting="equal"))
     port = server.start()
     parts = client_examples(config, list(range(6)))
     # each client reports 1 s after its task: all six report version 0 before any could
@@ -614,15 +614,29 @@ def test_holdout_and_evaluate_reports_are_checked(tmp_path, phase, values, probl
         assert found is not None and problem in found[1], found
 
 
+def test_the_async_server_takes_the_simulators_settings_and_refuses_what_it_cannot_run(
+        tmp_path):
+    """``AsyncServer`` takes the simulator's ``AsyncConfig`` (one record for both engines),
+    validates it as the simulator does, and refuses FedAsync's mixing in one line."""
+    from fedax.runtime.async_server import AsyncServer
+    from fedax.simulation.asynchronous import AsyncConfig, Staleness
+
+    with pytest.raises(ValueError, match="concurrency .* must be >= buffer_size"):
+        _tiny_server(tmp_path / "a", AsyncServer, buffered=AsyncConfig(3, 2))
+    with pytest.raises(ValueError, match="mixing .* not with an asynchronous server"):
+        _tiny_server(tmp_path / "b", AsyncServer,
+                     buffered=AsyncConfig(2, 3, Staleness("constant"), mixing=True))
+
+
 def test_an_async_report_must_match_its_trip(tmp_path):
     """The asynchronous server refuses, before reading a body, a report that names no trip
     in flight for its client, or another trip's version or nonce; a report of a trip that
     has ended is late, not a violation."""
-    from fedax.runtime.async_server import AsyncServer, Buffered, Trip
-    from fedax.simulation.asynchronous import Staleness
+    from fedax.runtime.async_server import AsyncServer, Trip
+    from fedax.simulation.asynchronous import AsyncConfig, Staleness
 
     server = _tiny_server(tmp_path, AsyncServer,
-                          buffered=Buffered(2, 3, Staleness("constant"), max_staleness=1))
+                          buffered=AsyncConfig(2, 3, Staleness("constant"), max_staleness=1))
     server._trips[1] = Trip(0, 0, "n" * 32, "v1", b"", {}, (), np.zeros(2, np.uint32), 1e18)
     server._next_trip = 1
     assert server._check_header(None, 1, 0, 0, "v1", "n" * 32) is None
@@ -638,11 +652,11 @@ def test_a_report_staler_than_max_staleness_is_refused_and_never_buffered(tmp_pa
     import jax
 
     from fedax.runtime import wire
-    from fedax.runtime.async_server import AsyncServer, Buffered, Trip
-    from fedax.simulation.asynchronous import Staleness
+    from fedax.runtime.async_server import AsyncServer, Trip
+    from fedax.simulation.asynchronous import AsyncConfig, Staleness
 
     server = _tiny_server(tmp_path, AsyncServer,
-                          buffered=Buffered(2, 3, Staleness("constant"), max_staleness=1))
+                          buffered=AsyncConfig(2, 3, Staleness("constant"), max_staleness=1))
     report = jax.tree.map(lambda a: np.ones(a.shape, a.dtype), server.report_template)
     report = report._replace(weight=np.float32(5), num_examples=np.float32(5),
                              stats={"local_steps": np.float32(1),

@@ -162,8 +162,8 @@ def test_fault_injection_names_the_last_stage_answered():
 
 
 def test_what_does_not_compose_is_refused_in_one_line(pki):
-    from fedax.runtime.async_server import AsyncServer, Buffered
-    from fedax.simulation.asynchronous import Staleness
+    from fedax.runtime.async_server import AsyncServer
+    from fedax.simulation.asynchronous import AsyncConfig, Staleness
 
     with pytest.raises(ConfigError, match="config key 'secure'.*asynchronous"):
         load_config(CONFIG, ["secure.bits=32", "execution.mode=network",
@@ -172,7 +172,7 @@ def test_what_does_not_compose_is_refused_in_one_line(pki):
     with pytest.raises(ValueError, match="not with an asynchronous server"):
         AsyncServer(
             task, ServerConfig(rounds=1, cohort_size=7), ServerTLS(pki["cert"], pki["key"]),
-            Registry.load(pki["registry"]), buffered=Buffered(2, 3, Staleness("constant")))
+            Registry.load(pki["registry"]), buffered=AsyncConfig(2, 3, Staleness("constant")))
     with pytest.raises(ValueError, match="at least 2 clients a round"):
         make_server(task, pki, cohort_size=1)
     with pytest.raises(ValueError, match="must exceed half of num_shares 7"):

@@ -75,13 +75,11 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
     server_class: type[Server] = Server
     extra: dict[str, Any] = {}
     if net.asynchronous:  # FedBuff on the server: rounds count server steps
-        from fedax.runtime.async_server import AsyncServer, Buffered
-        from fedax.simulation.asynchronous import Staleness
+        from fedax.builder.asynchronous import async_settings
+        from fedax.runtime.async_server import AsyncServer
 
-        a, m = config.asynchronous, cohort_size(config, train.num_clients)
-        server_class, extra = AsyncServer, {"buffered": Buffered(
-            a.buffer_size or m, a.concurrency or m, Staleness(**a.staleness.model_dump()),
-            a.max_staleness, a.weighting)}
+        server_class = AsyncServer
+        extra = {"buffered": async_settings(config, train.num_clients)}
         if net.local_clients:  # trips start once every client is up
             extra["start_with"] = train.num_clients
 

@@ -220,14 +220,10 @@ def _run_async(config: Config, algorithm, params, source, evaluate, kit: dict[st
     data, evaluation and outputs, ``rounds`` server updates of ``asynchronous.buffer_size``
     updates each (``fedax.simulation.asynchronous.run_async``; with privacy, lockstep
     only: a flush is a round)."""
-    from fedax.simulation.asynchronous import AsyncConfig, Latency, Staleness, run_async
+    from fedax.builder.asynchronous import async_settings
+    from fedax.simulation.asynchronous import run_async
 
-    a = config.asynchronous
-    m = cohort_size(config, num_clients)
-    settings = AsyncConfig(
-        buffer_size=a.buffer_size or m, concurrency=a.concurrency or m,
-        staleness=Staleness(**a.staleness.model_dump()), max_staleness=a.max_staleness,
-        latency=Latency(**a.latency.model_dump()), weighting=a.weighting)
+    settings = async_settings(config, num_clients)
     steps = kit.pop("steps")
     return run_async(algorithm, params, source, evaluate, settings, server_updates=steps,
                      **kit)

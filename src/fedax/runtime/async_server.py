@@ -37,32 +37,10 @@ from fedax.runtime import store, wire
 from fedax.runtime.rounds import RoundFailed, finite, selection_words
 from fedax.runtime.server import Server
 from fedax.runtime.task import broadcast, round_key, stage_key
+from fedax.simulation.asynchronous.config import AsyncConfig
 from fedax.simulation.asynchronous.updates import buffered_step, stage_each, weigh
 
 log = logging.getLogger("fedax.runtime.server")
-
-
-@dataclasses.dataclass(frozen=True)
-class Buffered:
-    """FedBuff's settings: K = ``buffer_size`` reports a server step, M = ``concurrency``
-    trips in flight, the staleness weighting ``staleness`` (a ``Staleness``), the
-    largest staleness kept (None: all) and ``weighting``, as the simulator's
-    ``AsyncConfig.weighting``: ``algorithm`` (the report's weight, FedAvg's n_k) or
-    ``equal`` (1 per report with examples)."""
-
-    buffer_size: int
-    concurrency: int
-    staleness: Any
-    max_staleness: int | None = None
-    weighting: str = "algorithm"
-
-    def __post_init__(self):
-        if not 1 <= self.buffer_size <= self.concurrency:
-            raise ValueError(f"need 1 <= buffer_size ({self.buffer_size}) <= concurrency "
-                             f"({self.concurrency})")
-        if self.weighting not in ("algorithm", "equal"):
-            raise ValueError(f"weighting {self.weighting!r} is not one of "
-                             "('algorithm', 'equal')")
 
 
 @dataclasses.dataclass
@@ -88,8 +66,13 @@ class AsyncServer(Server):
     (model versions). ``start_with``: alive clients to wait for before the first trip (a
     rehearsal's local clients, so that early ones do not run the whole stream)."""
 
-    def __init__(self, *args, buffered: Buffered, start_with: int = 1, **kwargs):
+    def __init__(self, *args, buffered: AsyncConfig, start_with: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
+        buffered = buffered.validate()
+        if buffered.mixing:
+            raise ValueError("mixing (FedAsync's w_current - w_local) forms each value from "
+                             "the client's local model, which a report does not carry; not "
+                             "with an asynchronous server")
         self._start_with = start_with  # alive clients before the first trip
         if self.learned is not None:
             raise ValueError("a learned server learning rate differentiates a synchronous "
