@@ -6,7 +6,7 @@
 Under ``sequential`` a FedAvg round with a linear aggregator (``mean``, the default) runs
 ``fed.map_and_sum``: each client's weighted update goes up as the client finishes and
 joins the server's running total in the loop's carry, so no ``[K, P]`` stack of updates is
-built (``fedax.algorithms.base.fused_cohort_round``). Three forms of the same round,
+built (``fedax.algorithms.protocol.fused_cohort_round``). Three forms of the same round,
 compiled in this process and run alternately:
 
 - ``fused``: the default (0.5.0): summed as made; over several devices, whether balanced

@@ -16,7 +16,7 @@ import pytest
 from fedax import federated as fed
 from fedax.aggregators import chain, clip_norm, mean, total, trimmed_mean
 from fedax.algorithms import CohortBatches, fedavg, scaffold
-from fedax.algorithms.base import fuses_sums
+from fedax.algorithms.protocol import fuses_sums
 from fedax.client import Batches
 from fedax.federated import _lockstep
 

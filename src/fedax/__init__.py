@@ -2,11 +2,12 @@
 
 The layers are subpackages (``fedax.federated``, ``fedax.data``, ``fedax.models``,
 ``fedax.client``, ``fedax.aggregators``, ``fedax.privacy``, ``fedax.algorithms``,
-``fedax.hyper``, ``fedax.simulation``); the most used
+``fedax.hyper``, ``fedax.simulation``, ``fedax.spec``, ``fedax.builder``,
+``fedax.experiments``); the most used
 names are also here: ``fedavg``, ``fedsgd``, ``fedprox``, ``scaffold``, ``get_model``,
 ``ClientData``, ``make_cohort``, ``cohort_batches``, ``run`` (the simulation runner) and
 ``run_experiment`` (the one entry point for a config, every ``execution.mode``:
-``fedax.run_experiment(fedax.experiments.load_config("cfg.yaml"), "runs/x")``).
+``fedax.run_experiment(fedax.spec.load_config("cfg.yaml"), "runs/x")``).
 
 All of them load on first use (PEP 562 ``__getattr__``): ``import fedax`` imports neither
 JAX nor the layers, ``import fedax.data`` does not pull in the simulation, and this module
@@ -20,8 +21,8 @@ from typing import TYPE_CHECKING
 
 from fedax._version import __version__
 
-_SUBPACKAGES = ("aggregators", "algorithms", "client", "data", "experiments", "federated",
-                "hyper", "models", "privacy", "simulation")
+_SUBPACKAGES = ("aggregators", "algorithms", "builder", "client", "data", "experiments",
+                "federated", "hyper", "models", "privacy", "simulation", "spec")
 _NAMES = {  # name -> the subpackage that defines it
     "ClientData": "data",
     "cohort_batches": "simulation",
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
     from fedax import (
         aggregators,
         algorithms,
+        builder,
         client,
         data,
         experiments,
@@ -47,6 +49,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ load
         models,
         privacy,
         simulation,
+        spec,
     )
 
     # (from the defining modules: each shares its name with the function it defines)
@@ -65,6 +68,7 @@ __all__ = [
     "ClientData",
     "__version__",
     "algorithms",
+    "builder",
     "client",
     "cohort_batches",
     "data",
@@ -81,6 +85,7 @@ __all__ = [
     "run_experiment",
     "scaffold",
     "simulation",
+    "spec",
 ]
 
 

@@ -30,8 +30,6 @@ from fedax.algorithms.base import (
     FederatedAlgorithm,
     RoundPieces,
     RoundState,
-    cohort_round,
-    compose,
     federated_loss,
     init_state,
     keyless,
@@ -41,6 +39,7 @@ from fedax.algorithms.fednova import check_sums as _fednova_check_sums
 from fedax.algorithms.fednova import fednova, make_fednova
 from fedax.algorithms.fedprox import fedprox, proximal
 from fedax.algorithms.fedsgd import fedsgd
+from fedax.algorithms.protocol import cohort_round, compose
 from fedax.algorithms.scaffold import ScaffoldServer, scaffold
 from fedax.algorithms.scaffold import check_sums as _scaffold_check_sums
 from fedax.algorithms.server_optimizers import (

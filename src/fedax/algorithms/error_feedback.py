@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from fedax.aggregators.compression import Compressor, roundtrip
-from fedax.algorithms.base import FederatedAlgorithm, compose
+from fedax.algorithms.base import FederatedAlgorithm
+from fedax.algorithms.protocol import compose
 
 
 def error_feedback(algorithm: FederatedAlgorithm, compressor: Compressor,

@@ -40,10 +40,10 @@ from fedax.algorithms.base import (
     ClientMessage,
     FederatedAlgorithm,
     RoundPieces,
-    compose,
     default_aggregator,
     keyless,
 )
+from fedax.algorithms.protocol import compose
 from fedax.client import Batches, EBStopping, LossFn, dp_local_train, local_train
 
 

@@ -36,13 +36,14 @@ import numpy as np
 import optax
 
 from fedax.aggregators import Aggregator
-from fedax.algorithms.base import ClientMessage, FederatedAlgorithm, compose
+from fedax.algorithms.base import ClientMessage, FederatedAlgorithm
 from fedax.algorithms.fedavg import (
     check_stopping,
     model_pieces,
     stopping_spread,
     stopping_stats,
 )
+from fedax.algorithms.protocol import compose
 from fedax.client import Batches, EBStopping, LossFn, local_train
 
 

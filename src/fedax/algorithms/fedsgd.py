@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import optax
 
 from fedax.aggregators import Aggregator
-from fedax.algorithms.base import ClientMessage, FederatedAlgorithm, client_mean_loss, compose
+from fedax.algorithms.base import ClientMessage, FederatedAlgorithm, client_mean_loss
 from fedax.algorithms.fedavg import model_pieces
+from fedax.algorithms.protocol import compose
 from fedax.client import LossFn
 
 

@@ -59,11 +59,11 @@ from fedax.algorithms.base import (
     ClientMessage,
     FederatedAlgorithm,
     RoundPieces,
-    compose,
     default_aggregator,
     keyless,
 )
 from fedax.algorithms.fedavg import check_stopping, stopping_spread, stopping_stats
+from fedax.algorithms.protocol import compose
 from fedax.client import Batches, EBStopping, LossFn, local_train, mean_gradient
 
 

@@ -1,34 +1,27 @@
-"""Experiments: validated configs, building and running one experiment from a config, its
-run directory, strict JSON outputs and plots. Both the ``fedax`` command (``cli``) and the
-papers' reproductions (``reproduce``) stand on this layer.
+"""Experiments: the driver that runs one experiment from a config in any engine
+(``run_experiment``: sync, async and network; ``network.run_network``), its run directory,
+resume, strict JSON outputs, plots and comparisons. It stands on the spec
+(``fedax.spec``: the schema, ``load_config``), the builder (``fedax.builder``) and the
+engines (``fedax.simulation``, ``fedax.runtime``); both the ``fedax`` command (``cli``) and
+the papers' reproductions (``reproduce``) stand on it.
 
-The names below load on first use (PEP 562), so that ``fedax.spec.errors`` (which
-the command imports first) loads neither JAX nor the config schema."""
+The names below load on first use (PEP 562), so that importing the package loads neither
+JAX nor the schema."""
 
 from __future__ import annotations
 
 import importlib
 
 _NAMES = {  # name -> the module that defines it
-    "Config": "fedax.spec.config", "ConfigError": "fedax.spec.errors",
-    "compare_runs": "fedax.experiments.compare", "config_to_dict": "fedax.spec.config",
-    "load_config": "fedax.spec.config", "run_experiment": "fedax.experiments.run",
-    "validate_config": "fedax.spec.config",
+    "compare_runs": "fedax.experiments.compare", "run_experiment": "fedax.experiments.run",
+    "run_network": "fedax.experiments.network",
 }
 
 
 def __getattr__(name: str):
     if name in _NAMES:
         return getattr(importlib.import_module(_NAMES[name]), name)
-    raise AttributeError(f"module 'fedax.experiments' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "Config",
-    "ConfigError",
-    "compare_runs",
-    "config_to_dict",
-    "load_config",
-    "run_experiment",
-    "validate_config",
-]
+__all__ = sorted(_NAMES)

@@ -23,7 +23,7 @@ a report); its replies are parsed strictly (``secagg`` rejections for bytes that
 parse, as for any refused report) and handed to ``SecAggServer``, whose own refusals are
 counted as ``secagg`` rejections too. A client that misses a deadline has dropped. Then the
 sum is split into the client stage's leaves and decoded with the n selected, and
-``fedax.algorithms.base.apply_reduced`` (the simulator's server stage and update) makes the
+``fedax.algorithms.protocol.apply_reduced`` (the simulator's server stage and update) makes the
 new state. Too few clients at any stage (fewer than t, or
 fewer than ``min_reports``, checked before anything is unmasked) aborts the attempt, which
 is retried as a round with too few reports is; the server then holds masked vectors only.
@@ -45,7 +45,7 @@ import jax
 import numpy as np
 
 from fedax.aggregators import round_keys
-from fedax.algorithms.base import apply_reduced
+from fedax.algorithms.protocol import apply_reduced
 from fedax.runtime import store, wire
 from fedax.runtime.rounds import OpenRound, PhaseRound
 from fedax.runtime.secagg import (

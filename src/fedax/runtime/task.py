@@ -47,8 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from fedax.algorithms import ALGORITHMS, RoundPieces, RoundState, init_state
-from fedax.algorithms.base import client_half
-from fedax.algorithms.protocol import Reports
+from fedax.algorithms.protocol import Reports, client_half
 from fedax.builder.build import build as build_spec
 from fedax.client import Batches
 from fedax.runtime.security import key_words

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 
 from fedax import federated as fed
 from fedax.algorithms import FederatedAlgorithm, RoundPieces, RoundState
-from fedax.algorithms.base import client_finite, client_half, keep_clients
-from fedax.algorithms.protocol import Reports, apply_reports
+from fedax.algorithms.base import client_finite, keep_clients
+from fedax.algorithms.protocol import Reports, apply_reports, client_half
 from fedax.simulation.asynchronous.config import AsyncConfig
 from fedax.simulation.sources import PartitionSource
 
