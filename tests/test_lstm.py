@@ -154,7 +154,7 @@ def test_derivatives_match_plain_autodiff(peephole):
     _close(got[3], expected[3], 1e-4)
 
 
-@pytest.mark.parametrize("peephole", [False, True])
+@pytest.mark.parametrize("peephole", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_float64_forward_and_derivatives_match_references(peephole):
     """In float64 the fused-gate cell and the custom derivative rule agree with the NumPy
     recurrence (forward) and with autodiff of the plain scan (gradient, directional

@@ -129,6 +129,8 @@ def test_fedax_run_builds_every_algorithm_family(tmp_path, algorithm, extra):
     assert summary["final_test_accuracy"] > 0.3
 
 
+# (the CLI flag; test_rounds_sharded_over_devices_equal_one_device checks the numbers in CI)
+@pytest.mark.slow
 def test_devices_flag_shards_the_cohort_and_gives_one_devices_numbers(tmp_path, child_env):
     """`fedax run --devices N` (in a fresh process, as JAX reads the device count once).
 

@@ -79,7 +79,8 @@ def records_of(out: Path, sets: list[str]) -> list[dict]:
     return records(out)
 
 
-@pytest.mark.parametrize("mechanism", ["skellam", "discrete_gaussian"])
+@pytest.mark.parametrize("mechanism", [
+    "skellam", pytest.param("discrete_gaussian", marks=pytest.mark.slow)])
 def test_distributed_dp_run_accounts_its_own_mechanism(tmp_path: Path, mechanism):
     """``privacy.mechanism: skellam`` (or discrete_gaussian) with ``secure``: each client
     noises its integers; ε is distributed DP's (no amplification: above the central

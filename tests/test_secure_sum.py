@@ -167,7 +167,7 @@ def _make(secure: bool):
     return make, evaluate
 
 
-@pytest.mark.parametrize("mode", ["reverse", "forward"])
+@pytest.mark.parametrize("mode", ["reverse", pytest.param("forward", marks=pytest.mark.slow)])
 def test_hypergradient_through_secure_rounds(rounds, mode):
     """Through two secure-aggregated FedAvg rounds and a secure holdout loss, the
     hypergradient in the server learning rate equals the plain one within the quantization
