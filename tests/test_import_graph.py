@@ -12,7 +12,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 # A dotted name is a module that sits above the rest of its package. experiments, the
 # driver of every engine, stands above runtime (the network engine), which builds from the
 # spec and the builder below it.
-LAYERS = ["_version", "io", "checkpoint", "federated", "data", "models", "client",
+LAYERS = ["_version", "_lazy", "io", "checkpoint", "federated", "data", "models", "client",
           "aggregators", "privacy", "algorithms", "attacks", "hyper", "simulation",
           "spec", "builder", "runtime", "experiments", "reproduce", "cli"]
 SAME_LEVEL = [{"aggregators", "privacy"}]

@@ -11,7 +11,7 @@ modules' names, so they are reached through them (``fedax.builder.build.build``)
 
 from __future__ import annotations
 
-import importlib
+from fedax._lazy import lazy_getattr
 
 _NAMES = {  # name -> the module that defines it
     "Built": "fedax.builder.build", "FederatedData": "fedax.builder.datasets",
@@ -20,11 +20,5 @@ _NAMES = {  # name -> the module that defines it
     "secure_aggregator": "fedax.builder.secure_plan",
 }
 
-
-def __getattr__(name: str):
-    if name in _NAMES:
-        return getattr(importlib.import_module(_NAMES[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
+__getattr__ = lazy_getattr(__name__, _NAMES)
 __all__ = sorted(_NAMES)

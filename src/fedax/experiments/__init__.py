@@ -10,18 +10,12 @@ JAX nor the schema."""
 
 from __future__ import annotations
 
-import importlib
+from fedax._lazy import lazy_getattr
 
 _NAMES = {  # name -> the module that defines it
     "compare_runs": "fedax.experiments.compare", "run_experiment": "fedax.experiments.run",
     "run_network": "fedax.experiments.network",
 }
 
-
-def __getattr__(name: str):
-    if name in _NAMES:
-        return getattr(importlib.import_module(_NAMES[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
+__getattr__ = lazy_getattr(__name__, _NAMES)
 __all__ = sorted(_NAMES)

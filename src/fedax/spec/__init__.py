@@ -8,7 +8,7 @@ The names below load on first use (PEP 562), so that ``fedax.spec.errors`` (whic
 
 from __future__ import annotations
 
-import importlib
+from fedax._lazy import lazy_getattr
 
 _NAMES = {  # name -> the module that defines it
     "Config": "fedax.spec.config", "ConfigError": "fedax.spec.errors",
@@ -16,11 +16,5 @@ _NAMES = {  # name -> the module that defines it
     "validate_config": "fedax.spec.config",
 }
 
-
-def __getattr__(name: str):
-    if name in _NAMES:
-        return getattr(importlib.import_module(_NAMES[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
+__getattr__ = lazy_getattr(__name__, _NAMES)
 __all__ = sorted(_NAMES)
