@@ -100,3 +100,25 @@ def small_mnist():
     x, y = arrays["x_train"][:2000], arrays["y_train"][:2000]
     train = fdata.ClientData.from_partition(x, y, fdata.iid(len(y), 20, seed=0))
     return train, arrays["x_test"][:1000], arrays["y_test"][:1000]
+
+
+# FEDAX_TEST_PROFILE=FILE appends one JSON line per test phase to FILE: its wall time and the
+# seconds JAX spent tracing, lowering and compiling in it (jax.monitoring), to find where the
+# suite's time goes. Off by default.
+if os.environ.get("FEDAX_TEST_PROFILE"):
+    import collections
+    import json
+    import time
+
+    _spent: collections.Counter = collections.Counter()
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **_: _spent.update({event.rsplit("/", 1)[-1]: duration}))
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _spent.clear()
+        start = time.perf_counter()
+        yield
+        record = {"test": item.nodeid, "wall": time.perf_counter() - start, **_spent}
+        with open(os.environ["FEDAX_TEST_PROFILE"], "a") as f:
+            f.write(json.dumps(record) + "\n")
