@@ -33,6 +33,7 @@ from scipy import stats
 
 from fedax import aggregators as agg
 from fedax import federated as fed
+from fedax.aggregators import base as agg_base
 from fedax.aggregators.compressors import hadamard, rotation_signs
 from fedax.aggregators.distributed_dp import (
     DistributedDpState,
@@ -154,8 +155,8 @@ def test_client_messages_and_their_modular_sum_against_numpy():
     weights = jnp.asarray([1.0, 1.0, 0.0, 1.0, 3.0])
     ddp = distributed_dp(clip, 0.0, n, bits=bits, beta=0.0)
     state = ddp.init(jax.tree.map(lambda v: v[0], values))
-    keys, _, _ = agg.round_keys(jax.random.key(0), 5)
-    messages, _, _ = jax.jit(agg.client_stage, static_argnums=0)(ddp, values, weights, state,
+    keys, _, _ = agg_base.round_keys(jax.random.key(0), 5)
+    messages, _, _ = jax.jit(agg_base.client_stage, static_argnums=0)(ddp, values, weights, state,
                                                                  keys)
     q = np.asarray(messages["noised"])
     assert q.dtype == np.uint32 and q.shape == (5, 32) and np.all(q < 2 ** bits)

@@ -573,9 +573,9 @@ def test_the_network_runs_records_are_written_as_its_rounds_close(tmp_path):
 
     server = _tiny_server(tmp_path / "a")
     writer = _record_writer(server, tmp_path, None, resume=False)
-    server._closed({"round": 0, "status": "closed", "train_loss": 1.5})
+    server.checkpoints.commit({"round": 0, "status": "closed", "train_loss": 1.5}, {})
     assert records(tmp_path) == [{"round": 1, "status": "ok", "train_loss": 1.5}]
-    server._closed({"round": 1, "status": "closed", "train_loss": 1.25})
+    server.checkpoints.commit({"round": 1, "status": "closed", "train_loss": 1.25}, {})
     assert [r["round"] for r in records(tmp_path)] == [1, 2] == \
         [r["round"] for r in writer.records]
     again = _tiny_server(tmp_path / "b")

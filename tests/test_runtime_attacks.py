@@ -512,7 +512,8 @@ def test_the_round_log_is_strict_json(pki, tmp_path):
     server = Server(make_task(), ServerConfig(rounds=1, cohort_size=1,
                                               checkpoint_dir=str(tmp_path)),
                     ServerTLS(pki["cert"], pki["key"]), Registry.load(pki["registry"]))
-    server._log({"round": 0, "train_loss": float("nan"), "accuracy": np.float32(np.inf)})
+    server.checkpoints.log_record({"round": 0, "train_loss": float("nan"),
+                                   "accuracy": np.float32(np.inf)})
     line = (tmp_path / ROUND_LOG).read_text().strip()
     assert json.loads(line) == {"round": 0, "train_loss": None, "accuracy": None}
     assert "NaN" not in line and "Infinity" not in line

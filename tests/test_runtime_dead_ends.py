@@ -37,10 +37,10 @@ from fedax.runtime import (
     ServerConfig,
     ServerTLS,
     Unreachable,
+    listening,
     make_dev_pki,
     server_status,
 )
-from fedax.runtime import server as server_module
 from fedax.runtime.connection import grpc_problem
 from fedax.runtime.security import probe, split_address
 
@@ -373,7 +373,7 @@ def test_a_second_server_on_a_port_in_use_is_refused(server, pki, monkeypatch):
     assert str(err.value) == in_use and isinstance(err.value, OSError)
     other.stop()  # never started: nothing to stop, and no error
     # Without the check, gRPC's own bind fails (SO_REUSEPORT is off), in one line too.
-    monkeypatch.setattr(server_module, "listen_problem", lambda address: None)
+    monkeypatch.setattr(listening, "listen_problem", lambda address: None)
     with pytest.raises(CannotListen, match=rf"^cannot listen on 127.0.0.1:{server}: gRPC "
                                            r"could not bind it \(in use"):
         second().start()

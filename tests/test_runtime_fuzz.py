@@ -980,7 +980,7 @@ def test_report_headers_of_any_unicode(joined, data):
     assume(expected != "replay" or str(sent[wire.REPORT_KEYS[3]]).isascii())
     event(f"expected {expected or 'truncated'}")
     meta = _meta(live) + tuple((k, v) for k, v in sent.items() if v is not None)
-    reply = live.server._rpc_submit(iter(()), FakeContext(meta), 0)  # after the Gate
+    reply = live.server.rpcs.submit(iter(()), FakeContext(meta), 0)  # after the Gate
     assert_refused(reply, {expected or "truncated"})
 
 
@@ -1000,7 +1000,7 @@ def test_a_non_ascii_nonce_is_refused_with_a_reason(joined):
     task = fresh_task(live.conn)
     meta = _meta(live) + tuple((k, "\u00e9" if k == "fedax-nonce" else v)
                                for k, v in wire.report_metadata(task))
-    reply = live.server._rpc_submit(iter(()), FakeContext(meta), 0)
+    reply = live.server.rpcs.submit(iter(()), FakeContext(meta), 0)
     assert_refused(reply, {"replay"})
 
 
@@ -1142,7 +1142,7 @@ def test_server_is_up_after_the_fuzzing(live):
 # selected client whose report stream holds a message that is no `Chunk` makes
 # `Server.stop()` hang for ever. gRPC's deserializer fails, grpcio aborts the call
 # (INTERNAL "Exception deserializing request!", status sent) and ends the request iterator;
-# `_rpc_submit` then sees a stream without its last chunk (`truncated`) and *returns* a
+# `ServerRPCs.submit` then sees a stream without its last chunk (`truncated`) and *returns* a
 # SubmitReply, so grpcio starts a second send-status batch on the finished call, which never
 # completes: the call stays in grpcio's bookkeeping and `grpc.Server.stop(grace).wait()`,
 # which `Server.stop` calls without a timeout, never returns (`fedax server start` cannot

@@ -187,7 +187,7 @@ def test_a_clients_keys_are_in_its_own_task_only(pki, key):
     client-stage key only in a rehearsal with the server's keys given (in a deployment the
     client draws its own, so the noise distributed DP adds is not the server's to know)."""
     server = make_server(secure_task(), pki, key=key)
-    r = server._open_secure(0, 0, list(range(7)))
+    r = server.secure.open(0, 0, list(range(7)))
     for cid in r.selected:
         paths = [t.path for t in r.own[cid]]
         assert paths == ([STAGE_KEY_PATH] if key else []) + [SECURE_KEY_PATH, SECAGG_PATH]
@@ -205,7 +205,7 @@ def test_a_client_refuses_a_setup_a_lying_server_could_exploit(pki, parts):
 
     task = secure_task()
     server = make_server(task, pki)
-    r = server._open_secure(0, 0, list(range(7)))
+    r = server.secure.open(0, 0, list(range(7)))
     b = built(task.to_json())
     client = Client(client_config(pki, 1, 0), *parts[0])
     for setup, words in [(Setup(SecAggParams(7, 7, 3, 32, b["secure"].length, b"s"), 0,
@@ -236,7 +236,7 @@ def test_the_sum_is_exact_with_dropouts_at_every_stage_up_to_the_threshold(pki, 
     faults = {1: SecAggFault("share_keys"), 2: SecAggFault("masked_input"),
               3: SecAggFault("unmask")}
     server, clients = secure_run(task, pki, parts, faults, min_reports=4)
-    (transcript,) = server.secure_transcripts
+    (transcript,) = server.secure.transcripts
     protocol = transcript.protocol
     survivors = (0, 2, 3, 4, 5, 6)
     assert protocol.survivors == survivors
@@ -273,7 +273,7 @@ def test_below_the_threshold_the_attempt_aborts_holding_masked_vectors_only(pki,
     faults = {k: SecAggFault("masked_input", once) for k in (1, 2, 3, 4)}
     server, clients = secure_run(task, pki, parts, faults, min_reports=4,
                                  checkpoint_dir=str(tmp_path))
-    aborted, closed = server.secure_transcripts
+    aborted, closed = server.secure.transcripts
     assert (aborted.attempt, closed.attempt) == (0, 1)
     assert aborted.protocol.result is None and "fewer than 4 shares" in aborted.aborted
     assert set(aborted.received) == {"train", "keys", "masked", "unmask"}
@@ -298,7 +298,7 @@ def test_the_round_fails_when_every_attempt_aborts(pki, parts):
     faults = {k: SecAggFault("setup") for k in (1, 2, 3, 4)}  # no shares from them
     server, _ = secure_run(task, pki, parts, faults, expect_error=RoundFailed,
                            max_attempts=1, deadline_s=2.0)
-    (transcript,) = server.secure_transcripts
+    (transcript,) = server.secure.transcripts
     assert "clients can go on to stage 3, fewer than the threshold 4" in transcript.aborted
     assert transcript.protocol.result is None and not hasattr(transcript.protocol, "_masked")
     assert server.rounds_done == 0 and server.history == []
@@ -368,7 +368,7 @@ def test_a_client_refuses_both_shares_of_one_neighbour_and_garbage_is_refused(
     ((t, attempt, accepted, why),) = clients[0].rounds
     assert (t, attempt, accepted) == (0, 0, False)
     assert why.startswith("secagg refused: secagg-unmask") and "as dropped" in why
-    (transcript,) = server.secure_transcripts
+    (transcript,) = server.secure.transcripts
     assert transcript.protocol.survivors == tuple(honest)
     assert 0 not in transcript.received["unmask"]
     np.testing.assert_array_equal(transcript.protocol.result, modular_total(clients, honest))
@@ -408,7 +408,7 @@ def test_a_dishonest_clients_integers_are_bounded_by_the_modulus_only(pki, parts
         join_all(threads, 30.0)
     finally:
         server.stop()
-    (transcript,) = server.secure_transcripts
+    (transcript,) = server.secure.transcripts
     np.testing.assert_array_equal(transcript.protocol.result, modular_total(clients, range(7)))
     moved = max(float(np.abs(np.asarray(a) - b).max())
                 for a, b in zip(jax.tree.leaves(server.params), jax.tree.leaves(initial),
@@ -424,7 +424,7 @@ def test_distributed_dp_clients_noise_with_their_own_keys(pki, parts):
     task = secure_task(secure={"bits": 20}, privacy={
         "level": "user", "mechanism": "skellam", "clip": 0.5, "noise_multiplier": 1.0})
     server, clients = secure_run(task, pki, parts, key=None)
-    (transcript,) = server.secure_transcripts
+    (transcript,) = server.secure.transcripts
     np.testing.assert_array_equal(transcript.protocol.result,
                                   modular_total(clients, range(7), bits=20))
     (record,) = server.history

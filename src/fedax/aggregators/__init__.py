@@ -11,16 +11,15 @@ from fedax.aggregators.base import (
     Aggregator,
     aggregate,
     chain,
-    client_stage,
     no_state,
-    reduce_stage,
-    round_keys,
 )
 from fedax.aggregators.clipping import clip_norm
 from fedax.aggregators.mean import mean, total
 
-__all__ = ["Aggregator", "aggregate", "chain", "client_stage", "clip_norm", "mean",
-           "no_state", "reduce_stage", "round_keys", "total"]
+# (the engines' plumbing, ``client_stage``, ``reduce_stage`` and ``round_keys``, stays in
+# ``fedax.aggregators.base``: an engine runs an aggregator through ``fedax.algorithms``'
+# ``apply_reports``)
+__all__ = ["Aggregator", "aggregate", "chain", "clip_norm", "mean", "no_state", "total"]
 
 # User-level differential privacy (DP-FedAvg): fixed clip, adaptive quantile clip, AdaCliP.
 from fedax.aggregators.adaclip import AdaClipState, adaclip, adaclip_scale  # noqa: E402

@@ -30,6 +30,7 @@ from fedax.algorithms.base import (
     FederatedAlgorithm,
     RoundPieces,
     RoundState,
+    client_training_keys,
     federated_loss,
     init_state,
     keyless,
@@ -39,7 +40,14 @@ from fedax.algorithms.fednova import check_sums as _fednova_check_sums
 from fedax.algorithms.fednova import fednova, make_fednova
 from fedax.algorithms.fedprox import fedprox, proximal
 from fedax.algorithms.fedsgd import fedsgd
-from fedax.algorithms.protocol import cohort_round, compose
+from fedax.algorithms.protocol import (
+    Reports,
+    apply_reports,
+    client_half,
+    cohort_round,
+    compose,
+    server_half,
+)
 from fedax.algorithms.scaffold import ScaffoldServer, scaffold
 from fedax.algorithms.scaffold import check_sums as _scaffold_check_sums
 from fedax.algorithms.server_optimizers import (
@@ -342,11 +350,15 @@ __all__ = [
     "FedAMSGradState",
     "FedAdaptiveState",
     "ClientMessage",
+    "Reports",
     "FederatedAlgorithm",
     "RoundPieces",
     "RoundState",
     "ScaffoldServer",
     "ServerState",
+    "apply_reports",
+    "client_half",
+    "client_training_keys",
     "cohort_round",
     "compose",
     "init_state",
@@ -367,6 +379,7 @@ __all__ = [
     "proximal",
     "resolve_server_optimizer",
     "scaffold",
+    "server_half",
     "server_learning_rate",
     "server_optimizer",
     "ServerOptimizerError",

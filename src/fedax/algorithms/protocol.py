@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from fedax import federated as fed
-from fedax.aggregators import Aggregator, client_stage, reduce_stage, round_keys
+from fedax.aggregators.base import Aggregator, client_stage, reduce_stage, round_keys
 from fedax.algorithms.base import (
     ClientMessage,
     CohortBatches,

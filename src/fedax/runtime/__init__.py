@@ -24,7 +24,7 @@ _NAMES = {  # name -> the module that defines it; loaded on first use (PEP 562),
     "server_status": "connection",
     "ClientTLS": "security", "Registry": "security", "ServerTLS": "security",
     "make_dev_pki": "security", "read_token": "security",
-    "RoundFailed": "rounds", "Server": "server", "CannotListen": "server",
+    "RoundFailed": "rounds", "Server": "server", "CannotListen": "listening",
     "ServerConfig": "config",
     "Task": "task", "build": "task",
 }

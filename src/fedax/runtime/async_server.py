@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from fedax.aggregators import round_keys
+from fedax.aggregators.base import round_keys
 from fedax.runtime import store, wire
 from fedax.runtime.rounds import RoundFailed, finite, selection_words
 from fedax.runtime.server import Server
@@ -74,10 +74,10 @@ class AsyncServer(Server):
                              "the client's local model, which a report does not carry; not "
                              "with an asynchronous server")
         self._start_with = start_with  # alive clients before the first trip
-        if self.learned is not None:
+        if self.phases.learned is not None:
             raise ValueError("a learned server learning rate differentiates a synchronous "
                              "round; not with an asynchronous server")
-        if self._secure is not None:
+        if self.secure is not None:
             raise ValueError("secure aggregation sums one cohort's updates; not with an "
                              "asynchronous server (use the synchronous one)")
         if buffered.weighting == "equal" and self._encodes:
@@ -201,7 +201,7 @@ class AsyncServer(Server):
             self._bytes = {"in": 0, "out": 0}
             self._stats = {"trips": 0, "dropped": 0, "stale": 0}
         self.rounds_done = v + 1
-        self._commit(record, dict(self.included))
+        self.checkpoints.commit(record, dict(self.included))
 
     # -------------------------------------------------------------- the protocol
 

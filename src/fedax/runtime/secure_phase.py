@@ -1,4 +1,4 @@
-"""A secure round on the server (a ``Server`` mixin): SecAgg+ (``fedax.runtime.secagg``)
+"""A secure round on the server (``Server.secure``): SecAgg+ (``fedax.runtime.secagg``)
 for a task whose aggregator declares ``secure``; ``fedax.runtime.secure_task`` has the
 encoding both sides share.
 
@@ -39,12 +39,12 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from fedax.aggregators import round_keys
+from fedax.aggregators.base import round_keys
 from fedax.algorithms.protocol import apply_reduced
 from fedax.runtime import store, wire
 from fedax.runtime.rounds import OpenRound, PhaseRound
@@ -71,8 +71,10 @@ from fedax.runtime.secure_task import (
     sender,
     unpack,
 )
-from fedax.runtime.server_base import ServerBase
 from fedax.runtime.task import broadcast, round_key, stage_key
+
+if TYPE_CHECKING:
+    from fedax.runtime.server import Server
 
 log = logging.getLogger("fedax.runtime.server")
 WITHHELD = "withheld: secure aggregation (train_loss and the clients' statistics stay on them)"
@@ -95,37 +97,43 @@ class SecureTranscript:
     aborted: str | None = None
 
 
-class SecurePhase(ServerBase):
-    """Mixin of ``fedax.runtime.server.Server``: its secure rounds (module docstring)."""
+class SecurePhase:
+    """A server's secure rounds (module docstring), for a task whose aggregator declares
+    ``secure`` (``create``; None for any other): ``open`` a round's training task,
+    ``close`` it through the protocol's stages, and the checks of the stages' replies.
+    ``transcripts``: the last two attempts' protocols."""
 
-    _secure: Any = None  # the aggregator's SecureSum; None: plain reports
+    def __init__(self, server: Server, plan: Any, shape: tuple, rehearsal: bool):
+        self.server, self.plan, self.spec = server, plan, plan.spec
+        self._shape, self._rehearsal = shape, rehearsal
+        self._steps: dict[int, Any] = {}
+        self.transcripts: collections.deque[SecureTranscript] = collections.deque(maxlen=2)
 
-    def _setup_secure(self, task: Any, built: Any, rehearsal: bool) -> None:
-        """Check the protocol's shape for the selection size (one line if it cannot run)
-        and keep the plan; ``rehearsal``: the server was given its keys (the simulator's),
-        so its clients may use the client-stage keys it derives."""
-        self.secure_transcripts: collections.deque[SecureTranscript] = collections.deque(
-            maxlen=2)
-        plan = secure_plan(task, self.pieces, built.params)
+    @classmethod
+    def create(cls, server: Server, task: Any, built: Any,
+               rehearsal: bool) -> SecurePhase | None:
+        """The secure phase of ``server`` (None: plain reports). The protocol's shape is
+        checked for the selection size (one line if it cannot run); ``rehearsal``: the
+        server was given its keys (the simulator's), so its clients may use the
+        client-stage keys it derives."""
+        plan = secure_plan(task, server.pieces, built.params)
         if plan is None:
-            return
+            return None
         section = task.spec().secure
-        self._secure_shape = ((None, None) if section is None
-                              else (section.num_shares, section.threshold))
-        protocol_shape(self.config.selection_size, *self._secure_shape)
+        shape = (None, None) if section is None else (section.num_shares, section.threshold)
+        protocol_shape(server.config.selection_size, *shape)
         if plan.spec.clip is not None:  # the sum of that many must not wrap around
-            plan.spec.levels_for(self.config.selection_size)
-        self._secure, self._secure_plan, self._rehearsal = plan.spec, plan, rehearsal
-        self._secure_steps: dict[int, Any] = {}
+            plan.spec.levels_for(server.config.selection_size)
+        return cls(server, plan, shape, rehearsal)
 
-    def _open_secure(self, t: int, attempt: int, selected: list[int]) -> OpenRound:
+    def open(self, t: int, attempt: int, selected: list[int]) -> OpenRound:
         """The training task of a secure round, each selected client's with its keys and
         its ``Setup``."""
-        n, plan = len(selected), self._secure_plan
-        k, threshold = protocol_shape(n, *self._secure_shape)
+        n, plan = len(selected), self.plan
+        k, threshold = protocol_shape(n, *self._shape)
         if plan.spec.clip is not None:
             plan.spec.levels_for(n)
-        key = round_key(self._key, t)
+        key = round_key(self.server._key, t)
         stage_keys = np.asarray(round_keys(key, n)[0])
         quantization = secure_keys(key, n)
         params = SecAggParams(n, k, threshold, plan.spec.bits, plan.length, os.urandom(16))
@@ -136,29 +144,30 @@ class SecurePhase(ServerBase):
             own[cid] = [*(stage_key(stage_keys[i]) if self._rehearsal else ()),
                         *wire.encode_arrays([(SECURE_KEY_PATH, quantization[i])]),
                         pack(setups[cid])]
-        self.secure_transcripts.append(SecureTranscript(t, attempt, protocol))
-        sent = broadcast(self.pieces, self.state, True)
-        return self._publish(t, attempt, selected, store.raw(sent), sent["payload"],
-                             stage_keys, target=n, own=own)
+        self.transcripts.append(SecureTranscript(t, attempt, protocol))
+        sent = broadcast(self.server.pieces, self.server.state, True)
+        return self.server._publish(t, attempt, selected, store.raw(sent), sent["payload"],
+                                    stage_keys, target=n, own=own)
 
-    def _secure_stage(self, r: OpenRound, phase: str, requests: dict[int, Any]) -> dict:
+    def _stage(self, r: OpenRound, phase: str, requests: dict[int, Any]) -> dict:
         """One protocol stage as an open round of kind ``phase``, closed."""
         own = {cid: [pack(m)] for cid, m in requests.items()}
-        stage = self._publish(r.t, r.attempt, sorted(own), {}, {}, np.zeros((0,)),
-                              phase=phase, target=len(own), own=own, version=r.model_version)
-        return self._close(stage)
+        stage = self.server._publish(r.t, r.attempt, sorted(own), {}, {}, np.zeros((0,)),
+                                     phase=phase, target=len(own), own=own,
+                                     version=r.model_version)
+        return self.server._close(stage)
 
-    def _secure_close(self, r: OpenRound, need: int) -> tuple | None:
+    def close(self, r: OpenRound, need: int) -> tuple | None:
         """Round ``r``'s protocol, from its training task to the new state: ``(record,
         survivors, (state, metrics) or None if it aborted)``; None if the server stopped."""
-        transcript = self.secure_transcripts[-1]
-        protocol, spec = transcript.protocol, self._secure
+        transcript = self.transcripts[-1]
+        protocol, spec = transcript.protocol, self.spec
         n, logged = len(r.selected), set[int]()
         traffic: dict[str, tuple[int, int]] = {}
         counts = {"rejected": 0, "cpu": 0.0}
 
         def replies(stage: str, closed: dict) -> dict:
-            if self._stop.is_set():
+            if self.server._stop.is_set():
                 raise _Stopped
             record = closed["record"]
             traffic[stage] = (record["bytes_in"], record["bytes_out"])
@@ -173,31 +182,31 @@ class SecurePhase(ServerBase):
                 return method(answers)
             finally:
                 counts["cpu"] += time.thread_time() - start
-                counts["rejected"] += self._secure_rejections(r, protocol, logged)
+                counts["rejected"] += self._rejections(r, protocol, logged)
 
         def enough(out: dict, what: str) -> dict:
             if len(out) < need:
                 raise SecAggAbort(f"{len(out)} clients {what}, fewer than min_reports {need}")
             return out
 
-        first = self._close(r)
+        first = self.server._close(r)
         result, record = None, first["record"]
         try:
             got = replies("train", first)
             keys = enough(run(protocol.collect_public_keys,
                               {c: (m.pk1, m.pk2) for c, m in got.items()}), "sent keys")
-            got = replies("keys", self._secure_stage(
+            got = replies("keys", self._stage(
                 r, KEYS, {c: KeyDirectory(d) for c, d in keys.items()}))
             shares = enough(run(protocol.collect_shares,
                                 {c: m.shares for c, m in got.items()}), "shared their keys")
-            got = replies("masked", self._secure_stage(
+            got = replies("masked", self._stage(
                 r, MASKED, {c: ShareDelivery(c, s) for c, s in shares.items()}))
             asks = enough(run(protocol.collect_masked, {c: m.values for c, m in got.items()}),
                           "sent masked inputs")
-            got = replies("unmask", self._secure_stage(
+            got = replies("unmask", self._stage(
                 r, UNMASK, {c: UnmaskRequest(*q) for c, q in asks.items()}))
             total = run(protocol.collect_unmask, {c: m.shares for c, m in got.items()})
-            result = self._secure_step(total, n, r.t)
+            result = self._step(total, n, r.t)
         except _Stopped:
             return None
         except SecAggAbort as abort:
@@ -222,33 +231,31 @@ class SecurePhase(ServerBase):
             record["secure_step"] = spec.step(n)
         return record, dict.fromkeys(survivors), result
 
-    def _secure_step(self, total: np.ndarray, n: int, t: int) -> tuple[Any, dict]:
+    def _step(self, total: np.ndarray, n: int, t: int) -> tuple[Any, dict]:
         """The new state from the protocol's sum over the n selected (decoded with n)."""
-        step = self._secure_steps.get(n)
+        step = self._steps.get(n)
         if step is None:
-            pieces, plan = self.pieces, self._secure_plan
-            step = self._secure_steps[n] = jax.jit(lambda state, leaves, key: (
+            pieces, plan = self.server.pieces, self.plan
+            step = self._steps[n] = jax.jit(lambda state, leaves, key: (
                 apply_reduced(pieces, state, plan.decode(leaves, n), key)))
-        state, metrics = step(self.state, self._secure_plan.split(total),
-                              round_key(self._key, t))
+        state, metrics = step(self.server.state, self.plan.split(total),
+                              round_key(self.server._key, t))
         return state, {k: float(v) for k, v in metrics.items()}
 
-    def _secure_rejections(self, r: OpenRound, protocol: SecAggServer, logged: set) -> int:
+    def _rejections(self, r: OpenRound, protocol: SecAggServer, logged: set) -> int:
         """Count and log the protocol's new refusals (reason code ``secagg``)."""
         new = {c: why for c, why in protocol.rejected.items() if c not in logged}
         for cid, why in sorted(new.items()):
             logged.add(cid)
-            self._refusals.warning("report-secagg", "rejected a report from client %d: "
-                                   "secagg: %s", cid, why)
-            with self._lock:
-                self.rejections.add(r.t, r.attempt, cid, "secagg")
+            self.server._refusals.warning("report-secagg", "rejected a report from client "
+                                          "%d: secagg: %s", cid, why)
+            with self.server._lock:
+                self.server.rejections.add(r.t, r.attempt, cid, "secagg")
         return len(new)
 
-    def _checked_report(self, r: PhaseRound, env: Any) -> tuple[Any, tuple[str, str] | None]:
-        """A secure round's reply parsed strictly as its stage's message, from its sender;
-        any other report as ``HoldoutPhase`` checks it."""
-        if self._secure is None or r.phase not in REPLIES:
-            return super()._checked_report(r, env)
+    def checked(self, r: PhaseRound, env: Any) -> tuple[Any, tuple[str, str] | None]:
+        """A reply to stage ``r.phase`` (one of ``REPLIES``) parsed strictly as that
+        stage's message, from its sender."""
         try:
             message = unpack(env.tensors, REPLIES[r.phase])
         except wire.WireError as err:

@@ -224,7 +224,7 @@ def secure_steps(task: Any, pieces: Any, params: Any) -> dict[str, Any]:
 def secure_keys(key: Any, n: int) -> np.ndarray:
     """``[n, ...]`` raw quantization keys of the n selected clients from the round key:
     ``client_keys(round_keys(key, n)[1], n)``, the simulator's ``secure_sum`` keys."""
-    from fedax.aggregators import round_keys
+    from fedax.aggregators.base import round_keys
     from fedax.federated import secure
 
     return np.asarray(secure.client_keys(round_keys(key, n)[1], n))

@@ -41,38 +41,51 @@ With ``checkpoint_dir`` and ``resume=True`` the server continues from its last c
 keep polling through the outage. Idle clients long-poll (``poll_hold_s``). The RPCs and
 the report checks are ``fedax.runtime.server_rpcs``; the checkpoints and the round log,
 ``fedax.runtime.server_checkpoint``.
+
+A ``Server`` is its round schedule plus four parts it holds, each an object on the server's
+state (not a mixin): ``rpcs`` (the Gate's behaviours), ``checkpoints``, ``phases`` (the
+holdout and evaluate rounds) and ``secure`` (SecAgg+, None for plain reports). What a
+client's task is and whether a report is admitted (``_task_for``, ``_check_header``,
+``_check_report``) are the schedule's: ``fedax.runtime.async_server.AsyncServer`` replaces
+them with its trips.
 """
 
 from __future__ import annotations
 
 import collections
-import errno
 import hashlib
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from typing import Any
 
 import grpc
 import jax
 import numpy as np
 
-from fedax.aggregators import round_keys
+from fedax.aggregators.base import round_keys
 from fedax.algorithms.protocol import Reports, apply_reports
 from fedax.runtime import store, wire
-from fedax.runtime.checks import ReportChecks
+from fedax.runtime.checks import ReportChecks, decoded_report
 from fedax.runtime.config import ServerConfig
 from fedax.runtime.gate import Gate, RateLimitedLog, Rejections
-from fedax.runtime.holdout_phase import HoldoutPhase
-from fedax.runtime.rounds import OpenRound, RoundFailed, finite, select, selection_words
+from fedax.runtime.holdout_phase import Phases
+from fedax.runtime.listening import CannotListen, listen
+from fedax.runtime.rounds import (
+    OpenRound,
+    PhaseRound,
+    RoundFailed,
+    finite,
+    select,
+    selection_words,
+)
 from fedax.runtime.secure_phase import SecurePhase
-from fedax.runtime.security import Registry, ServerTLS, split_address
-from fedax.runtime.server_checkpoint import CHECKPOINT, ROUND_LOG, ServerCheckpoints
+from fedax.runtime.secure_task import REPLIES
+from fedax.runtime.security import Registry, ServerTLS
+from fedax.runtime.server_checkpoint import CHECKPOINT, ROUND_LOG, Checkpoints
 from fedax.runtime.server_rpcs import ServerRPCs
 from fedax.runtime.task import (
     Task,
@@ -90,44 +103,6 @@ log = logging.getLogger("fedax.runtime.server")
 __all__ = ["CHECKPOINT", "ROUND_LOG", "CannotListen", "Server"]
 
 
-class CannotListen(OSError):
-    """``Server.start`` could not bind its address (e.g. another server listens there);
-    the message is one line naming the address and what to do."""
-
-
-IN_USE = ("the address is in use (another server listens there); start this one on another "
-          "port (fedax server start --port) or stop the one that listens there")
-
-
-def listen_problem(address: str) -> str | None:
-    """Why ``address`` (``host:port``) cannot be listened on and what to do, or None: a
-    plain socket binds it first, so that a port in use is refused in one line rather than
-    in gRPC's C-core log (gRPC's own failed bind is the fallback). Port 0 and addresses
-    that are not a plain ``host:port`` are left to gRPC."""
-    parsed = split_address(address)
-    if parsed is None or parsed[1] == 0:
-        return None
-    host, port = parsed
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
-    except OSError as err:
-        return (f"unknown host {host!r} ({err.strerror or err}); listen on a name or IP "
-                "of this machine (--host)")
-    for family, kind, proto, _, where in infos:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(where)
-            except OSError as err:
-                if err.errno == errno.EADDRINUSE:
-                    return IN_USE
-                if err.errno == errno.EACCES:
-                    return (f"permission denied (port {port} needs privileges); choose a "
-                            "port above 1023 (--port)")
-    return None
-
-
 def _not_alive(ids: list[int], what: str, shown: int = 10) -> str:
     """``; what: client 3, 7`` (the first ``shown`` ids, then how many more); "" for none."""
     if not ids:
@@ -137,7 +112,7 @@ def _not_alive(ids: list[int], what: str, shown: int = 10) -> str:
     return f"; {what}: {word} {', '.join(map(str, ids[:shown]))}{more}"
 
 
-class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
+class Server:
     """A fedax server for ``task`` (see the module docstring).
 
     ``key``: the server's secret key. Default: drawn from the OS (``os.urandom``) at the
@@ -185,8 +160,14 @@ class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
         self._step = jax.jit(lambda s, r, k, m, key: apply_reports(
             self.pieces, s, r, key, keep=m, client_keys=k, staged=self._encodes,
             unit_weights=unit))
-        self._setup_phases(built, self._encodes)  # holdout (server.lr: learned), evaluate
-        self._setup_secure(task, built, rehearsal=key is not None)  # SecAgg+ rounds
+        # per_client_eval: whether to evaluate on the clients after round t (t rounds done),
+        # and the accuracy ``client_accuracy_above_target`` counts against
+        self.client_eval: Callable[[int], bool] | None = None
+        self.client_eval_target: float | None = None
+        self.rpcs = ServerRPCs(self)
+        self.checkpoints = Checkpoints(self)
+        self.phases = Phases(self, built, self._encodes)  # holdout (server.lr: learned)
+        self.secure = SecurePhase.create(self, task, built, rehearsal=key is not None)
         self._set_key(key)
         self._lock = threading.Condition()
         self._news = threading.Condition()  # a round opened or closed, or the run ended
@@ -215,7 +196,7 @@ class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
         self._thread: threading.Thread | None = None
         self.port: int | None = None
         if resume:
-            self._restore()
+            self.checkpoints.restore()
 
     def _set_key(self, key: jax.Array | None, secret: bytes | None = None) -> None:
         if key is None:
@@ -229,34 +210,16 @@ class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
 
     def start(self) -> int:
         """Serve (TLS only) and start the rounds; returns the bound port. An address that
-        cannot be bound (a port another server listens on: gRPC's ``SO_REUSEPORT`` is off,
-        so it is not shared) raises ``CannotListen`` with one line."""
+        cannot be bound (a port another server listens on) raises ``CannotListen`` with
+        one line (``fedax.runtime.listening.listen``)."""
         cfg = self.config
-        self._gate = Gate(self.registry, {"Join": (self._rpc_join, True),
-                                          "Poll": (self._rpc_poll, True),
-                                          "Submit": (self._rpc_submit, True),
-                                          "Status": (self._rpc_status, False)},
+        rpcs = self.rpcs
+        self._gate = Gate(self.registry, {"Join": (rpcs.join, True),
+                                          "Poll": (rpcs.poll, True),
+                                          "Submit": (rpcs.submit, True),
+                                          "Status": (rpcs.status, False)},
                           per_client=cfg.per_client_calls, refusals=self._refusals)
-        problem = listen_problem(self.address)
-        if problem is None:
-            # SO_REUSEPORT off: a second server on a port in use fails to bind instead of
-            # sharing the port (and the clients) with the first
-            server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers),
-                                 handlers=(self._gate,),
-                                 options=[*wire.server_grpc_options(cfg.chunk_bytes),
-                                          ("grpc.so_reuseport", 0)],
-                                 maximum_concurrent_rpcs=cfg.max_concurrent_rpcs)
-            try:
-                port = server.add_secure_port(self.address, self.tls.credentials())
-            except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
-                port = 0
-            if port == 0:
-                server.stop(None)
-                problem = ("gRPC could not bind it (in use, or not an address of this "
-                           "machine); choose another --host or --port, or stop the server "
-                           "that listens there")
-        if problem is not None:
-            raise CannotListen(f"cannot listen on {self.address}: {problem}")
+        server, port = listen(self.address, self._gate, cfg, self.tls)
         server.start()
         self._grpc, self.port = server, port
         log.info("serving on port %d (TLS), %d rounds from round %d", port,
@@ -313,8 +276,8 @@ class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
         selected = select(words, t, attempt, alive, count)
         log.info("round %d attempt %d: selected %d of %d alive clients", t, attempt, count,
                  len(alive))
-        if self._secure is not None:
-            return self._open_secure(t, attempt, selected)
+        if self.secure is not None:
+            return self.secure.open(t, attempt, selected)
         sent = broadcast(self.pieces, self.state, self._encodes)
         keys = np.asarray(round_keys(round_key(self._key, t), count)[0])
         own = {c: stage_key(keys[i]) for i, c in enumerate(selected)} if self._encodes else {}
@@ -402,8 +365,8 @@ class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
         real = np.arange(len(rows)) < len(ids)
         stacked = jax.tree.map(lambda *xs: np.stack(xs), *rows)
         args = (stacked, np.stack(keys), real, round_key(self._key, r.t))
-        state, metrics = (self._step(self.state, *args) if self.learned is None
-                          else self._learned_aggregate(self.state, *args))
+        state, metrics = (self._step(self.state, *args) if self.phases.learned is None
+                          else self.phases.aggregate(self.state, *args))
         return state, {k: float(v) for k, v in metrics.items()}
 
     def _run_rounds(self) -> None:
@@ -435,8 +398,8 @@ class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
             r = self._open(t, attempt)
             if r is None:
                 return False
-            if self._secure is not None:  # SecAgg+: the sum of the survivors' vectors only
-                closed = self._secure_close(r, need)
+            if self.secure is not None:  # SecAgg+: the sum of the survivors' vectors only
+                closed = self.secure.close(r, need)
                 if closed is None:
                     return False
                 record, accepted, result = closed
@@ -453,18 +416,95 @@ class Server(ServerRPCs, SecurePhase, HoldoutPhase, ServerCheckpoints):
             if result is not None:
                 state, metrics = result
                 if finite(state):
-                    if self.learned is not None:  # the hypergradient's own phase
-                        metrics.update(self._holdout(t, state))
+                    if self.phases.learned is not None:  # the hypergradient's own phase
+                        metrics.update(self.phases.holdout(t, state))
                     if self.client_eval is not None and self.client_eval(t + 1):
-                        metrics.update(self._client_eval(t, state))
-                    self._install(r, state, accepted, record, metrics)
+                        metrics.update(self.phases.evaluate(t, state))
+                    self.checkpoints.install(r, state, accepted, record, metrics)
                     return True
                 record["status"] = "non-finite"  # the old state stays; tried again
                 log.warning("round %d attempt %d: the new state is not finite; discarded",
                             t, attempt)
             record.setdefault("status", "retry")
             record["round_s"] = round(time.monotonic() - r.started, 4)
-            self._log(record)
+            self.checkpoints.log_record(record)
         raise RoundFailed(
             f"round {t} got fewer than {need} accepted reports (or no finite new state) in "
             f"{self.config.max_attempts} attempts; start more clients or lower min_reports")
+
+    # ------------------------------------------------------- admission (the schedule's)
+
+    def _reject(self, r: OpenRound | None, cid: int, kind: str, reason: str) -> Any:
+        self._refusals.warning(f"report-{kind}", "rejected a report from client %d: %s: %s",
+                               cid, kind, reason)
+        with self._lock:
+            self.rejections.add(None if r is None else r.t,
+                                None if r is None else r.attempt, cid, kind)
+            if r is not None and not r.closed and cid in r.nonces and cid not in r.accepted:
+                r.rejected.setdefault(cid, kind)
+                self._lock.notify_all()
+        return wire.SubmitReply(accepted=False, reason=f"{kind}: {reason}")
+
+    def _task_for(self, cid: int) -> bytes | None:
+        """Client ``cid``'s task in the open round, if it has one (under the lock)."""
+        r = self._round
+        if (r is None or r.closed or cid not in r.nonces or cid in r.accepted
+                or cid in r.rejected):
+            return None
+        included = self.included.get(cid, (-1, -1))
+        header = wire.Envelope(kind="task" if r.phase == "train" else r.phase,
+                               client_id=cid, round=r.t, attempt=r.attempt,
+                               model_version=r.model_version, nonce=r.nonces[cid],
+                               deadline_s=max(r.deadline - time.monotonic(), 0.0),
+                               rounds_done=self.rounds_done, included_round=included[0],
+                               included_attempt=included[1])
+        header.tensors.extend(r.own.get(cid, ()))  # its own keys, in its task only
+        return wire.task_bytes(header, r.shared)
+
+    def _check_header(self, r: OpenRound | None, cid: int, t: int, attempt: int,
+                      version: str, nonce: str) -> Any:
+        last = self._last_closed
+        if last is not None and last.late(cid, t, attempt, nonce):
+            return wire.SubmitReply(accepted=False, reason="late: the round has closed")
+        if r is None or r.closed:
+            return self._reject(None, cid, "wrong-round", f"report for round {t}.{attempt}, "
+                                "no round is open")
+        problem = r.header_problem(cid, t, attempt, version, nonce)
+        if problem is None:
+            return None
+        kind, reason, this_round = problem
+        return self._reject(r if this_round else None, cid, kind, reason)
+
+    def _check_report(self, r: OpenRound | None, cid: int, header: tuple, env: Any) -> Any:
+        # (None only for the asynchronous server's trips: here _check_header refused it)
+        assert r is not None
+        if env.client_id != cid or (env.round, env.attempt, env.model_version,
+                                    env.nonce) != header:
+            return self._reject(r, cid, "sender", "the report's envelope does not match "
+                                "its call (client, round, attempt, version, nonce)")
+        report, problem = self._checked_report(r, env)
+        if problem is not None:
+            return self._reject(r, cid, *problem)
+        with self._lock:
+            if r.closed:
+                return wire.SubmitReply(accepted=False, reason="late: the round has closed")
+            if cid in r.accepted or cid in r.rejected:
+                return self._reject(None, cid, "replay", "a second report in this round")
+            if len(r.accepted) >= (r.target or self.config.cohort_size):
+                return wire.SubmitReply(accepted=False, reason="late: the round is full")
+            r.accepted[cid] = report
+            self._lock.notify_all()
+        return wire.SubmitReply(accepted=True)
+
+    def _checked_report(self, r: PhaseRound, env: Any) -> tuple[Any, tuple[str, str] | None]:
+        """A report decoded and checked for the open round's phase: a training report
+        against the template and the bounds, a secure stage's reply by ``secure``, a
+        holdout or evaluate report by ``phases``."""
+        if self.secure is not None and r.phase in REPLIES:
+            return self.secure.checked(r, env)
+        if r.phase != "train":
+            return self.phases.checked(r, env)
+        report, problem = decoded_report(env.tensors, self._report_layout,
+                                         self._report_treedef)
+        return report, problem or (None if report is None
+                                   else self._checks.check(report, r.payload))
