@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -35,9 +35,6 @@ from fedax.runtime.holdout import (
 )
 from fedax.runtime.rounds import PhaseRound, RoundFailed, select, selection_words
 
-if TYPE_CHECKING:
-    from fedax.runtime.server import Server
-
 log = logging.getLogger("fedax.runtime.server")
 
 
@@ -47,7 +44,7 @@ class Phases:
     step), ``holdout`` and ``evaluate`` (each an open round of its own), the checks of
     their reports, and the learned rate's part of the checkpoint."""
 
-    def __init__(self, server: Server, built: Any, staged: bool):
+    def __init__(self, server: Any, built: Any, staged: bool):
         self.server = server
         self.learned: LearnedLR | None = None
         self._tangent: Any = None

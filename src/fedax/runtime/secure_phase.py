@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -73,9 +73,6 @@ from fedax.runtime.secure_task import (
 )
 from fedax.runtime.task import broadcast, round_key, stage_key
 
-if TYPE_CHECKING:
-    from fedax.runtime.server import Server
-
 log = logging.getLogger("fedax.runtime.server")
 WITHHELD = "withheld: secure aggregation (train_loss and the clients' statistics stay on them)"
 
@@ -103,14 +100,14 @@ class SecurePhase:
     ``close`` it through the protocol's stages, and the checks of the stages' replies.
     ``transcripts``: the last two attempts' protocols."""
 
-    def __init__(self, server: Server, plan: Any, shape: tuple, rehearsal: bool):
+    def __init__(self, server: Any, plan: Any, shape: tuple, rehearsal: bool):
         self.server, self.plan, self.spec = server, plan, plan.spec
         self._shape, self._rehearsal = shape, rehearsal
         self._steps: dict[int, Any] = {}
         self.transcripts: collections.deque[SecureTranscript] = collections.deque(maxlen=2)
 
     @classmethod
-    def create(cls, server: Server, task: Any, built: Any,
+    def create(cls, server: Any, task: Any, built: Any,
                rehearsal: bool) -> SecurePhase | None:
         """The secure phase of ``server`` (None: plain reports). The protocol's shape is
         checked for the selection size (one line if it cannot run); ``rehearsal``: the

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +17,6 @@ import numpy as np
 from fedax.algorithms.records import dumps, strict_json
 from fedax.io import append_line
 from fedax.runtime import store
-
-if TYPE_CHECKING:
-    from fedax.runtime.server import Server
 
 log = logging.getLogger("fedax.runtime.server")
 CHECKPOINT = "server_checkpoint.msgpack"
@@ -30,7 +27,7 @@ class Checkpoints:
     """A server's checkpoints and round log: ``install`` (a closed round's new state),
     ``commit``, ``log_record`` and ``restore``, on the ``server``'s state and records."""
 
-    def __init__(self, server: Server):
+    def __init__(self, server: Any):
         self.server = server
 
     def install(self, r: Any, state: Any, accepted: dict[int, Any],

@@ -21,15 +21,12 @@ import json
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from fedax.runtime import wire
 from fedax.runtime.gate import read_deadline
-
-if TYPE_CHECKING:
-    from fedax.runtime.server import Server
 
 log = logging.getLogger("fedax.runtime.server")
 
@@ -40,7 +37,7 @@ class ServerRPCs:
     report is admitted the server says (``_task_for``, ``_check_header``,
     ``_check_report``: a round's, or an asynchronous server's trip's)."""
 
-    def __init__(self, server: Server):
+    def __init__(self, server: Any):
         self.server = server
 
     # ------------------------------------------------------------------------ RPCs
