@@ -33,7 +33,7 @@ if os.environ.get("FEDAX_TEST_FAST_COMPILE", "1") != "0":
 if os.environ.get("FEDAX_TEST_JAX_CACHE", "1") != "0":
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax-cache"))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     # The xdist workers and their fedax subprocesses share it without a lock (JAX locks only
     # a size-bounded cache, and then lists every entry at each write): a program has one key
@@ -116,8 +116,13 @@ if os.environ.get("FEDAX_TEST_PROFILE"):
     import time
 
     _spent: collections.Counter = collections.Counter()
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **_: _spent.update({event.rsplit("/", 1)[-1]: duration}))
+    def _record(event, duration, **_):
+        name = event.rsplit("/", 1)[-1]
+        _spent.update({name: duration, f"{name}_count": 1})
+        if name == "backend_compile_duration" and duration < 0.2:  # not persistently cached
+            _spent.update({"small_compile_duration": duration, "small_compile_count": 1})
+
+    jax.monitoring.register_event_duration_secs_listener(_record)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):

@@ -197,8 +197,8 @@ def test_ctrl_c_stops_quietly_and_says_how_to_continue(tmp_path, strategy, every
         [sys.executable, "-m", "fedax.cli.main", "run", "tiny.yaml", "--out", "run",
          "--no-progress", "--set", "rounds=1000000", "--set", f"checkpoint_every={every}",
          "--set", f"execution.strategy={strategy}"],
-        cwd=tmp_path, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True, preexec_fn=_terminal_sigint)
+        cwd=tmp_path, env={**_child_env(), "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=_terminal_sigint)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
@@ -210,7 +210,11 @@ def test_ctrl_c_stops_quietly_and_says_how_to_continue(tmp_path, strategy, every
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)  # a loaded CI machine is slow to stop
+        try:
+            _, stderr = proc.communicate(timeout=120)  # a loaded CI machine is slow to stop
+        except subprocess.TimeoutExpired:  # where it hangs: faulthandler prints every thread
+            proc.send_signal(signal.SIGABRT)
+            pytest.fail(f"no exit 120 s after Ctrl-C; its threads:\n{proc.communicate()[1]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
