@@ -517,3 +517,67 @@ def test_the_round_log_is_strict_json(pki, tmp_path):
     line = (tmp_path / ROUND_LOG).read_text().strip()
     assert json.loads(line) == {"round": 0, "train_loss": None, "accuracy": None}
     assert "NaN" not in line and "Infinity" not in line
+
+
+def test_slow_uploaders_cannot_keep_an_honest_report_from_being_read(pki):
+    """Four colluding selected clients each open ``per_client_calls`` report streams and
+    send them slowly (they would take a minute, longer than the round's deadline), as many
+    as the server has readers: each client gets one reader (its other calls are refused at
+    once), the honest client's report is read and accepted, and the slow streams are cut
+    at the round's deadline, not after ``report_read_s``; every reader is free again."""
+    task = make_task()
+    server, port = start_server(task, pki, rounds=1, cohort_size=5, min_clients=5,
+                                min_reports=1, deadline_s=6.0, poll_hold_s=0.0)
+    conns = [Connection(f"127.0.0.1:{port}", ClientTLS(pki["ca"]), k, pki["tokens"][k],
+                        timeout_s=90.0) for k in range(5)]
+    release = threading.Event()
+
+    def slow():
+        yield wire.Chunk(data=b"\0" * 1024, last=False)
+        release.wait(60)
+        yield wire.Chunk(data=b"", last=True)
+
+    try:
+        for conn in conns:
+            conn.join()
+        tasks: list = [None] * 5  # every client polls (it is alive only then)
+        for _ in range(200):
+            for k, conn in enumerate(conns):
+                if tasks[k] is None and (env := conn.poll()).kind == "task":
+                    tasks[k] = env
+            if all(tasks):
+                break
+            time.sleep(0.05)
+        assert all(tasks), tasks
+        assert server.config.per_client_calls * 4 >= server.config.max_concurrent_reports
+        opened = time.monotonic()
+        slow_calls = [conn._calls["Submit"].future(
+            slow(), metadata=(*conn._meta, *wire.report_metadata(env)), timeout=90.0)
+            for conn, env in zip(conns[1:], tasks[1:], strict=True)
+            for _ in range(server.config.per_client_calls)]
+        time.sleep(1.0)
+        env = tasks[0]
+        honest = _report(server.report_template, _honest_updates(server.report_template, 0),
+                         1.0, 10.0)
+        reply = conns[0].submit(wire.Envelope(
+            kind="update", client_id=0, round=env.round, attempt=env.attempt,
+            model_version=env.model_version, nonce=env.nonce,
+            tensors=wire.encode_tree(honest)))
+        assert reply.accepted, reply.reason
+        codes = [call.exception(timeout=30).code() for call in slow_calls]
+        ended = time.monotonic() - opened
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 4 * (
+            server.config.per_client_calls - 1), codes
+        assert codes.count(grpc.StatusCode.CANCELLED) == 4, codes  # cut at the deadline
+        assert ended < server.config.deadline_s + 5.0 < server.config.report_read_s
+        assert server.wait(30.0)
+        assert server.rounds_done == 1
+        with server._lock:
+            assert not server._reading
+        assert all(server._readers.acquire(blocking=False)
+                   for _ in range(server.config.max_concurrent_reports))
+    finally:
+        release.set()
+        for conn in conns:
+            conn.close()
+        server.stop()

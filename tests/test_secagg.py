@@ -321,6 +321,74 @@ def test_masked_vectors_are_uniform_while_inputs_are_not(bits):
     assert p_value(np.concatenate(list(inputs.values()))) < 1e-3
 
 
+def _garbled_round(params, rogue, garbled, seed=b"garbage"):
+    """Stages 1-4 driven directly, ``rogue``'s shares for the neighbours in ``garbled``
+    replaced by random bytes; (server, the unmasked sum or None if aborted, inputs)."""
+    ids = list(range(params.num_clients))
+    graph = ring_graph(ids, params.num_shares, seed)
+    server = SecAggServer(params, graph)
+    clients = {u: SecAggClient(u, params, graph[u], crypto.seeded_rng(seed + bytes([u])))
+               for u in ids}
+    dirs = server.collect_public_keys({u: c.setup() for u, c in clients.items()})
+    sent = {u: clients[u].share_keys(dirs[u]) for u in dirs}
+    rng = np.random.default_rng(0)
+    for v in garbled:
+        sent[rogue][v] = rng.bytes(len(sent[rogue][v]))
+    deliveries = server.collect_shares(sent)
+    inputs = _inputs(ids, params.length, params.bits)
+    masked = {u: clients[u].masked_input(inputs[u], deliveries[u]) for u in deliveries}
+    blamed = {u: clients[u].blamed for u in deliveries}
+    assert {u for u, b in blamed.items() if b} == set(garbled)
+    assert all(b == (rogue,) for b in blamed.values() if b)
+    try:
+        requests = server.collect_masked(masked, blamed)
+        replies = {v: clients[v].unmask(*q) for v, q in requests.items()}
+        return server, server.collect_unmask(replies), inputs
+    except SecAggAbort:
+        return server, None, inputs
+
+
+@pytest.mark.parametrize("part", ["all", "most", "few"])
+def test_a_client_whose_shares_do_not_open_is_dropped_and_the_sum_is_the_others(part):
+    """A client that sends garbage shares (issue 55: it made every honest neighbour drop
+    out, and the round abort) is blamed by each neighbour that cannot open them and
+    dropped; the sum is the honest clients' exactly. Its key is recovered from the
+    neighbours that did open its shares where some survivor masked with it: with fewer
+    than t of those the attempt aborts, before anything is unmasked."""
+    params = _params(n=12, k=9, t=5)  # eight neighbours each
+    rogue = 3
+    graph = ring_graph(range(12), 9, b"garbage")
+    neighbours = sorted(graph[rogue])
+    garbled = {"all": neighbours, "most": neighbours[:5], "few": neighbours[:2]}[part]
+    server, total, inputs = _garbled_round(params, rogue, garbled)
+    honest = [u for u in range(12) if u != rogue]
+    if part == "most":  # three survivors masked with it and hold shares of its key: < t
+        assert total is None and "fewer than the threshold" in server.aborted
+        assert server.result is None
+        return
+    assert server.survivors == tuple(honest)
+    assert server.rejected == {rogue: f"blamed by {sorted(garbled)}: shares that do not open"}
+    np.testing.assert_array_equal(total, _expected(inputs, honest, params.bits))
+
+
+def test_a_blame_of_a_client_that_sent_no_shares_sets_the_reply_aside():
+    params = _params(n=10, k=7, t=4)
+    ids = list(range(10))
+    graph = ring_graph(ids, 7, b"g")
+    server = SecAggServer(params, graph)
+    clients = {u: SecAggClient(u, params, graph[u]) for u in ids}
+    dirs = server.collect_public_keys({u: c.setup() for u, c in clients.items()})
+    deliveries = server.collect_shares({u: clients[u].share_keys(dirs[u]) for u in dirs})
+    inputs = _inputs(ids, params.length, params.bits)
+    masked = {u: clients[u].masked_input(inputs[u], deliveries[u]) for u in ids}
+    stranger = next(v for v in ids if v != 0 and v not in graph[0])
+    requests = server.collect_masked(masked, {0: (stranger,)})
+    assert server.rejected == {0: "blames a client that sent it no shares"}
+    assert 0 not in server.survivors
+    total = server.collect_unmask({v: clients[v].unmask(*q) for v, q in requests.items()})
+    np.testing.assert_array_equal(total, _expected(inputs, ids[1:], params.bits))
+
+
 def test_a_client_never_reveals_both_shares_of_one_node():
     params = _params(n=10, k=5, t=3, bits=16, d=50)
     server, clients, requests, _ = _through_stage3(params, masked_drop={4})
@@ -365,7 +433,7 @@ def test_client_refuses_bad_directories_inputs_and_deliveries():
         with pytest.raises(SecAggError, match=match):
             clients[0].masked_input(x, to_0)
     with pytest.raises(SecAggError, match="authentication"):  # 1's share for 2, sent to 0
-        clients[0].masked_input(np.zeros(20, int), to_0 | {1: sent[1][2]})
+        clients[0].open_shares(1, sent[1][2])
     with pytest.raises(SecAggError, match="fewer than the threshold"):
         clients[0].masked_input(np.zeros(20, int), {1: to_0[1]})
     key = crypto.agree(clients[1]._sk2, keys[0][1], info=crypto.SHARE_INFO, salt=params.session)
@@ -374,8 +442,12 @@ def test_client_refuses_bad_directories_inputs_and_deliveries():
                           (ShareBundle(1, 0, at_1, at_1), "not shares for this client")]:
         forged = crypto.seal(key, bundle.to_bytes(), session=params.session, src=1, dst=0)
         with pytest.raises(SecAggError, match=match):
-            clients[0].masked_input(np.zeros(20, int), to_0 | {1: forged})
-    assert clients[0].masked_input(np.zeros(20, int), to_0).shape == (20,)  # refusals kept state
+            clients[0].open_shares(1, forged)
+    with pytest.raises(SecAggError, match=r"fewer than the threshold"):  # blamed shares
+        clients[0].masked_input(np.zeros(20, int), {1: forged, 2: to_0[2]})  # do not count
+    # a share that does not open is blamed, not refused: the client goes on without it
+    assert clients[0].masked_input(np.zeros(20, int), to_0 | {1: forged}).shape == (20,)
+    assert clients[0].blamed == (1,)
 
 
 def test_server_sets_aside_unusable_public_keys():
@@ -409,7 +481,7 @@ def _messages():
     return [Setup(params, 3, (0, 1, 2, 4)), PublicKeys(3, b"a" * 32, b"b" * 32),
             KeyDirectory({1: (b"a" * 32, b"b" * 32), 4: (b"c" * 32, b"d" * 32)}),
             EncryptedShares(3, {1: b"xyz", 4: b""}), ShareDelivery(3, {0: b"abc"}),
-            MaskedVector(3, 12, np.arange(6, dtype=np.uint32) * 800),
+            MaskedVector(3, 12, np.arange(6, dtype=np.uint32) * 800, (1, 4)),
             UnmaskRequest((3, 0, 1), (4,)), UnmaskShares(3, {0: share, 4: share}),
             ShareBundle(3, 4, share, share)]
 
@@ -419,7 +491,9 @@ def test_messages_round_trip_and_masked_vectors_are_packed():
         back = type(msg).from_bytes(msg.to_bytes())
         if isinstance(msg, MaskedVector):
             np.testing.assert_array_equal(back.values, msg.values)
-            assert len(msg.to_bytes()) == 2 + 9 + 6 * 2  # 12 bits travel as uint16
+            assert back.blamed == msg.blamed == (1, 4)
+            # 12 bits travel as uint16; then the blamed ids (count, ids)
+            assert len(msg.to_bytes()) == 2 + 9 + 6 * 2 + 4 + 2 * 4
         else:
             assert back == msg
 

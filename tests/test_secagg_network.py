@@ -338,8 +338,8 @@ def test_a_client_refuses_both_shares_of_one_neighbour_and_garbage_is_refused(
     honest = list(range(N - 1))
     collect_masked = SecAggServer.collect_masked
 
-    def lying(self, replies):
-        requests = collect_masked(self, replies)
+    def lying(self, replies, blamed=None):
+        requests = collect_masked(self, replies, blamed)
         survivors, dropped = requests[0]
         requests[0] = (survivors, (*dropped, next(v for v in survivors if v != 0)))
         return requests
@@ -372,6 +372,50 @@ def test_a_client_refuses_both_shares_of_one_neighbour_and_garbage_is_refused(
     assert transcript.protocol.survivors == tuple(honest)
     assert 0 not in transcript.received["unmask"]
     np.testing.assert_array_equal(transcript.protocol.result, modular_total(clients, honest))
+    (record,) = server.history
+    assert (record["selected"], record["reported"], record["rejected"]) == (N, N - 1, 1)
+
+
+@pytest.mark.serial
+def test_a_client_that_sends_garbage_shares_is_dropped_and_the_round_completes(
+        pki, parts, monkeypatch):
+    """Issue 55: one selected client that follows the protocol but encrypts garbage for
+    every neighbour made each honest neighbour refuse and drop out, and the server abort.
+    Now each neighbour blames it (its shares are authenticated under its key), the server
+    drops it (a ``secagg`` rejection naming the blamers), and the round closes with the
+    others on the first attempt, the sum theirs exactly."""
+    from fedax.runtime.secagg import SecAggClient
+
+    task = secure_task(n=N)  # eight selected: k = 7, t = 4
+    rogue, honest = N - 1, list(range(N - 1))
+    share_keys = SecAggClient.share_keys
+
+    def garbling(self, keys):
+        out = share_keys(self, keys)
+        if self.cid == rogue:
+            out = {v: bytes(len(c)) for v, c in out.items()}
+        return out
+
+    monkeypatch.setattr(SecAggClient, "share_keys", garbling)
+    server = make_server(task, pki, min_reports=4)
+    port = server.start()
+    clients = {k: Client(client_config(pki, port, k, reconnect_s=5.0), *parts[k])
+               for k in range(N)}
+    threads = [threading.Thread(target=c.run, daemon=True) for c in clients.values()]
+    for thread in threads:
+        thread.start()
+    try:
+        assert server.wait(60.0)
+        join_all(threads, 30.0)
+    finally:
+        server.stop()
+    (transcript,) = server.secure.transcripts
+    assert transcript.aborted is None
+    assert transcript.protocol.survivors == tuple(honest)
+    assert transcript.protocol.rejected[rogue].endswith("shares that do not open")
+    np.testing.assert_array_equal(transcript.protocol.result, modular_total(clients, honest))
+    assert [(e["client"], e["kind"]) for e in server.rejections] == [(rogue, "secagg")]
+    assert all(clients[k].rounds[0][2] for k in honest)  # every honest report included
     (record,) = server.history
     assert (record["selected"], record["reported"], record["rejected"]) == (N, N - 1, 1)
 

@@ -343,7 +343,11 @@ class DistributedLedger:
                 f"bound), {q.expected_clients} clients each adding variance "
                 f"{q.local_variance:.4g} at scale {q.scale:.4g}, {q.bits} bits, L2 "
                 f"sensitivity {q.l2_sensitivity:.4g} after rounding; RDP composed over rounds "
-                "without subsampling amplification")
+                "without subsampling amplification; assumes every client adds its share "
+                "(the server sees only the masked sum and cannot check): with m of the n "
+                "shares missing the noise multiplier is z*sqrt(1 - m/n), "
+                f"{self.noise_multiplier * math.sqrt(1 - 1 / q.expected_clients):.4g} "
+                f"for one missing share of {q.expected_clients}")
 
 
 def distributed_plan(config: Any, num_clients: int, dim: int | None) -> Any:

@@ -231,6 +231,12 @@ class AsyncServer(Server):
                                 "in flight with that model version and nonce")
         return None
 
+    def _read_seconds(self, r, cid: int) -> float:
+        del r
+        with self._lock:
+            trip = self._trips.get(cid)
+        return 0.0 if trip is None else max(trip.deadline - time.monotonic(), 0.0) + 1.0
+
     def _check_report(self, r, cid: int, header: tuple, env: Any) -> Any:
         del r
         with self._lock:

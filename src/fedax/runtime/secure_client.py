@@ -217,8 +217,8 @@ class SecureRounds:
                     raise SecAggError(f"shares addressed to client {request.dst}")
                 if self._x is None:  # sent already: the protocol is past this stage
                     raise SecAggError(f"client {cid}: masked_input asked again")
-                reply = MaskedVector(cid, protocol.params.bits,
-                                     protocol.masked_input(self._x, request.shares))
+                y = protocol.masked_input(self._x, request.shares)
+                reply = MaskedVector(cid, protocol.params.bits, y, protocol.blamed)
                 self._x = None
             else:
                 reply = UnmaskShares(cid, protocol.unmask(request.survivors, request.dropped))

@@ -198,8 +198,9 @@ class SecurePhase:
                                 {c: m.shares for c, m in got.items()}), "shared their keys")
             got = replies("masked", self._stage(
                 r, MASKED, {c: ShareDelivery(c, s) for c, s in shares.items()}))
-            asks = enough(run(protocol.collect_masked, {c: m.values for c, m in got.items()}),
-                          "sent masked inputs")
+            blamed = {c: m.blamed for c, m in got.items()}
+            asks = enough(run(lambda ys: protocol.collect_masked(ys, blamed),
+                              {c: m.values for c, m in got.items()}), "sent masked inputs")
             got = replies("unmask", self._stage(
                 r, UNMASK, {c: UnmaskRequest(*q) for c, q in asks.items()}))
             total = run(protocol.collect_unmask, {c: m.shares for c, m in got.items()})

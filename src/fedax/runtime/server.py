@@ -174,6 +174,7 @@ class Server:
         self._held = 0  # polls held open (long poll)
         self._holding: collections.Counter[int] = collections.Counter()  # whose, alive
         self._readers = threading.BoundedSemaphore(config.max_concurrent_reports)
+        self._reading: set[int] = set()  # clients whose report is being read
         self._round: OpenRound | None = None
         self._last_closed: OpenRound | None = None  # its late reports are not violations
         self._done = False
@@ -474,6 +475,12 @@ class Server:
             return None
         kind, reason, this_round = problem
         return self._reject(r if this_round else None, cid, kind, reason)
+
+    def _read_seconds(self, r: OpenRound | None, cid: int) -> float:
+        """How long a report from ``cid`` may still be read: until the round closes (with
+        a second's grace for the last chunk in flight)."""
+        del cid
+        return 0.0 if r is None else max(r.deadline - time.monotonic(), 0.0) + 1.0
 
     def _check_report(self, r: OpenRound | None, cid: int, header: tuple, env: Any) -> Any:
         # (None only for the asynchronous server's trips: here _check_header refused it)

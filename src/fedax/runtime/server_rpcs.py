@@ -8,7 +8,8 @@
   to ``poll_hold_s`` and ``max_workers // 2`` polls at a time, and otherwise paced so that
   idle clients poll ``max_idle_polls_per_s`` times a second in all.
 * ``Submit``: a report, refused before its body is read unless its header (round, attempt,
-  model version, nonce) matches the open round; read within ``report_read_s``, at most
+  model version, nonce) matches the open round; one at a time per client, read within
+  ``report_read_s`` and before the round's (or trip's) deadline, at most
   ``max_message_bytes`` in at most ``wire.max_chunks`` chunks; then checked against the
   report template and the bounds (``Server._check_report``). A refusal is counted with its reason
   code (``Rejections``) and excludes the client from the round.
@@ -138,12 +139,23 @@ class ServerRPCs:
         refusal = server._check_header(r, cid, *header)
         if refusal is not None:  # refused before a byte of the body is read
             return refusal
+        with server._lock:  # one report read per client at a time: a few slow senders
+            busy = cid in server._reading  # cannot hold every reader
+            server._reading.add(cid)
+        if busy:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "a report of this client "
+                          "is already being read; retry")
         if not server._readers.acquire(timeout=10.0):
+            with server._lock:
+                server._reading.discard(cid)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many reports being "
                           "read; retry")
         counter = [0]
         chunk = server.chunk_bytes.get(cid, server.config.chunk_bytes)
-        timer = read_deadline(context, server.config.report_read_s)
+        # a report still arriving when its round (or trip) closes cannot count: its reader
+        # is reclaimed then, at the latest after report_read_s
+        timer = read_deadline(context, min(server.config.report_read_s,
+                                           server._read_seconds(r, cid)))
         try:  # raw bytes from gRPC (see gate.Gate): a piece that is no Chunk is ours to refuse
             env = wire.join_chunks(wire.parse_chunks(request_iterator),
                                    server.config.max_message_bytes, counter,
@@ -154,6 +166,7 @@ class ServerRPCs:
             timer.cancel()
             server._readers.release()
             with server._lock:
+                server._reading.discard(cid)
                 server._bytes["in"] += counter[0]
         return server._check_report(r, cid, header, env)
 

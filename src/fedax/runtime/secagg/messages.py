@@ -14,7 +14,8 @@ message               direction  fields
 ``EncryptedShares``   c -> s     src, map dst -> AES-GCM ciphertext
 ``ShareDelivery``     s -> c     dst, map src -> AES-GCM ciphertext
 ``MaskedVector``      c -> s     cid, bits: uint8, d, values (little-endian, 1, 2 or 4
-                                 bytes each: the narrowest that holds 2^bits - 1)
+                                 bytes each: the narrowest that holds 2^bits - 1),
+                                 blamed ids (neighbours whose shares did not open)
 ``UnmaskRequest``     s -> c     survivor ids, dropped ids
 ``UnmaskShares``      c -> s     cid, map id -> Shamir share
 ====================  =========  ====================================================
@@ -224,16 +225,18 @@ def _width(bits: int) -> str:
 
 @dataclass(frozen=True)
 class MaskedVector:
-    """Client -> server, stage 3: y_u, the masked input mod 2^bits."""
+    """Client -> server, stage 3: y_u, the masked input mod 2^bits, and the neighbours it
+    blames (their shares did not open; y_u has no mask with them)."""
     TAG = 6
     cid: int
     bits: int
     values: np.ndarray
+    blamed: tuple[int, ...] = ()
 
     def to_bytes(self) -> bytes:
         values = np.asarray(self.values)
         return (_head(self.TAG) + struct.pack(">IBI", self.cid, self.bits, values.size)
-                + values.astype(_width(self.bits)).tobytes())
+                + values.astype(_width(self.bits)).tobytes() + _ids(self.blamed))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> MaskedVector:
@@ -243,10 +246,11 @@ class MaskedVector:
             r.fail(f"bits {bits} not in [1, 32]")
         dtype = np.dtype(_width(bits))
         values = np.frombuffer(r.take(length * dtype.itemsize), dtype).astype(np.uint32)
+        blamed = r.ids()
         r.end()
         if bits < 32 and values.size and int(values.max()) >> bits:
             r.fail(f"a value is not below 2^{bits}")
-        return cls(cid, bits, values)
+        return cls(cid, bits, values, blamed)
 
 
 @dataclass(frozen=True)

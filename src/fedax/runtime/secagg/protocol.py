@@ -10,14 +10,17 @@ Each sampled client u runs four stages, each answering one server request:
    others, one per neighbour v, under HKDF(X25519(sk2_u, pk2_v)).
 3. ``masked_input``: it decrypts the shares addressed to it and sends
    ``y_u = x_u + PRG(b_u) + sum_{v<u} PRG(s_uv) - sum_{v>u} PRG(s_uv) mod 2^b``, s_uv =
-   HKDF(X25519(sk1_u, pk1_v)), over the neighbours whose shares reached it.
+   HKDF(X25519(sk1_u, pk1_v)), over the neighbours whose shares reached it and open; it
+   blames the others (their ciphertexts are authenticated under their keys), and the
+   server drops each blamed client, so garbage shares cannot make honest clients drop out.
 4. ``unmask``: given the survivors and the dropped, it returns its shares of b_v for the
    survivors and of sk1_v for the dropped, never both for one node in a session.
 
 The server routes (it cannot decrypt a share), and removes the masks: every survivor's
 PRG(b_u), and the pairwise masks survivors share with nodes that dropped before stage 3
-(their sk1 recovered from shares). It aborts (``SecAggAbort``) rather than go on with fewer
-than t survivors or fewer than t shares of any secret it needs, before unmasking anything.
+(their sk1 recovered from shares, where some survivor masked with them). It aborts
+(``SecAggAbort``) rather than go on with fewer than t survivors or fewer than t shares
+of any secret it needs, before unmasking anything.
 The server's per-stage methods take the replies that arrived (a missing client has
 dropped); a reply that breaks the protocol is set aside in ``rejected`` like a drop-out.
 """
@@ -88,6 +91,7 @@ class SecAggClient:
         self._rng, self._stage = rng, "setup"
         self._shares: dict[int, tuple[bytes, bytes]] = {}  # node -> (its b share, its sk1 share)
         self._revealed: dict[int, str] = {}  # node -> "b" or "sk1", what the server has had
+        self.blamed: tuple[int, ...] = ()  # neighbours whose shares did not open (stage 3)
 
     @classmethod
     def from_setup(cls, message: Setup, rng: Rng = os.urandom) -> SecAggClient:
@@ -152,26 +156,39 @@ class SecAggClient:
             self._refuse(f"input values must be in [0, 2^{p.bits})")
         return x.astype(np.uint32)
 
+    def open_shares(self, v: int, ciphertext: bytes) -> tuple[bytes, bytes]:
+        """Neighbour ``v``'s (b share, sk1 share) for this client, from its ciphertext;
+        ``SecAggError`` if it does not authenticate or holds no shares for this client."""
+        p = self.params
+        key = agree(self._sk2, self._keys[v][1], info=SHARE_INFO, salt=p.session)
+        bundle = ShareBundle.from_bytes(
+            unseal(key, ciphertext, session=p.session, src=v, dst=self.cid))
+        if (bundle.src, bundle.dst) != (v, self.cid):
+            self._refuse(f"a share from {bundle.src} to {bundle.dst} arrived as {v}'s")
+        if not all(_share_ok(s, self.cid, p) for s in (bundle.b_share, bundle.sk_share)):
+            self._refuse(f"the shares from {v} are not shares for this client")
+        return bundle.b_share, bundle.sk_share
+
     def masked_input(self, x: np.ndarray, received: Mapping[int, bytes]) -> np.ndarray:
-        """Stage 3: ``received`` (source -> ciphertext addressed here) -> y_u (uint32)."""
+        """Stage 3: ``received`` (source -> ciphertext addressed here) -> y_u (uint32),
+        masked with each neighbour whose shares open. A neighbour whose shares do not is
+        blamed (``self.blamed``, sent beside y_u): the server drops it, so one client that
+        sends garbage shares cannot make its honest neighbours drop out."""
         self._enter("masked_input")
         p, y = self.params, self._input(x)
         if set(received) - set(self._keys):
             self._refuse(f"shares from {sorted(set(received) - set(self._keys))}, which are "
                          "not neighbours in the key directory")
-        if len(received) + 1 < p.threshold:
-            self._refuse(f"shares from {len(received)} neighbours; with its own, fewer than "
-                         f"the threshold {p.threshold}")
-        shares = {}
-        for v, ciphertext in received.items():
-            key = agree(self._sk2, self._keys[v][1], info=SHARE_INFO, salt=p.session)
-            bundle = ShareBundle.from_bytes(
-                unseal(key, ciphertext, session=p.session, src=v, dst=self.cid))
-            if (bundle.src, bundle.dst) != (v, self.cid):
-                self._refuse(f"a share from {bundle.src} to {bundle.dst} arrived as {v}'s")
-            if not all(_share_ok(s, self.cid, p) for s in (bundle.b_share, bundle.sk_share)):
-                self._refuse(f"the shares from {v} are not shares for this client")
-            shares[v] = (bundle.b_share, bundle.sk_share)
+        shares, blamed = {}, []
+        for v, ciphertext in sorted(received.items()):
+            try:
+                shares[v] = self.open_shares(v, ciphertext)
+            except SecAggError:  # authenticated under v's key: v sent it, or the server
+                blamed.append(v)  # broke it; either way no mask with v (the server drops v)
+        if len(shares) + 1 < p.threshold:
+            self._refuse(f"shares from {len(shares)} neighbours open (blamed: {blamed}); with "
+                         f"its own, fewer than the threshold {p.threshold}")
+        self.blamed = tuple(blamed)
         y += prg(self._seed, p.length, p.bits, SELF_MASK)
         for v in sorted(shares):
             mask = prg(_mask_seed(self._sk1, self._keys[v][0], p), p.length, p.bits, PAIR_MASK)
@@ -302,11 +319,39 @@ class SecAggServer:
             self._abort(f"{len(u2)} clients can go on to stage 3, fewer than the threshold {t}")
         return {v: {u: sent[u][v] for u in self.neighbours[v] & u2} for v in u2}
 
-    def collect_masked(self, replies: Mapping[int, np.ndarray]
+    def collect_masked(self, replies: Mapping[int, np.ndarray],
+                       blamed: Mapping[int, Iterable[int]] | None = None
                        ) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Stage 3 replies (client -> y) -> each survivor's unmask request (survivors whose
-        b-shares it holds, dropped whose sk1-shares it holds)."""
+        """Stage 3 replies (client -> y; client -> the neighbours it blames) -> each
+        survivor's unmask request (survivors whose b-shares it holds, dropped whose
+        sk1-shares it holds). A blamed client is dropped (its y is not summed); its sk1 is
+        recovered only if some survivor masked with it."""
         self._enter("masked_input", "unmask")
+        masked = self._valid_masked(replies)
+        blames = self._blames(masked, blamed or {})
+        for v in sorted(set().union(*blames.values()) & set(masked)):
+            by = sorted(u for u, b in blames.items() if v in b)
+            self.rejected[v] = f"blamed by {by}: shares that do not open"
+            del masked[v]
+        p, u3 = self.params, set(masked)
+        self._masked = masked
+        if len(u3) < p.threshold:
+            self._abort(f"{len(u3)} survivors, fewer than the threshold {p.threshold}")
+        self._u3 = u3
+        self._unpaired = {(u, v) for u in u3 for v in blames.get(u, ())}  # no mask between
+        self._dropped = {w for w in self._u2 - u3 if self._maskers(w)}
+        for u in sorted(u3 | self._dropped):
+            held = self._maskers(u) if u in self._dropped else self._holders(u, u3)
+            if len(held) < p.threshold:
+                self._abort(f"client {u}'s shares are held by {len(held)} survivors, fewer "
+                            f"than the threshold {p.threshold}")
+        self._requests = {v: (tuple(sorted(self._holders(v, u3))),
+                              tuple(sorted(w for w in self.neighbours[v] & self._dropped
+                                           if (v, w) not in self._unpaired)))
+                          for v in u3}
+        return dict(self._requests)
+
+    def _valid_masked(self, replies: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
         p, masked = self.params, {}
         for u, y in replies.items():
             y = np.asarray(y)
@@ -317,18 +362,25 @@ class SecAggServer:
                 self.rejected[u] = f"not a uint32 vector of length {p.length} mod 2^{p.bits}"
             else:
                 masked[u] = y
-        self._masked, u3 = masked, set(masked)
-        if len(u3) < p.threshold:
-            self._abort(f"{len(u3)} survivors, fewer than the threshold {p.threshold}")
-        self._u3 = u3
-        self._dropped = {w for w in self._u2 - u3 if self.neighbours[w] & u3}
-        for u in sorted(u3 | self._dropped):
-            if len(self._holders(u, u3)) < p.threshold:
-                self._abort(f"client {u}'s shares are held by {len(self._holders(u, u3))} "
-                            f"survivors, fewer than the threshold {p.threshold}")
-        self._requests = {v: (tuple(sorted(self._holders(v, u3))),
-                              tuple(sorted(self.neighbours[v] & self._dropped))) for v in u3}
-        return dict(self._requests)
+        return masked
+
+    def _blames(self, masked: dict[int, np.ndarray], blamed: Mapping[int, Iterable[int]]
+                ) -> dict[int, set[int]]:
+        """Each sender's blame, if it names only neighbours that sent it shares (else its
+        reply is set aside, as malformed)."""
+        out = {}
+        for u in sorted(masked):
+            b = set(_ids(blamed.get(u, ()), "blamed"))
+            if b - (self.neighbours[u] & self._u2):
+                self.rejected[u] = "blames a client that sent it no shares"
+                del masked[u]
+            elif b:
+                out[u] = b
+        return out
+
+    def _maskers(self, w: int) -> set[int]:
+        """The survivors whose y has a pairwise mask with w (they opened its shares)."""
+        return {u for u in self.neighbours[w] & self._u3 if (u, w) not in self._unpaired}
 
     def collect_unmask(self, replies: Mapping[int, Mapping[int, bytes]]) -> np.ndarray:
         """Stage 4 replies (client -> node -> share) -> the sum of the survivors' inputs
@@ -364,7 +416,7 @@ class SecAggServer:
         for seed in seeds.values():
             total -= prg(seed, p.length, p.bits, SELF_MASK)
         for w, sk in keys.items():
-            for u in sorted(self.neighbours[w] & self._u3):
+            for u in sorted(self._maskers(w)):
                 mask = prg(_mask_seed(sk, self._keys[u][0], p), p.length, p.bits, PAIR_MASK)
                 if w < u:  # u added PRG(s_uw) for its smaller neighbour w
                     total -= mask

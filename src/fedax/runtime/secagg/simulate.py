@@ -138,14 +138,15 @@ def run_round(inputs: Mapping[int, np.ndarray], params: SecAggParams, *,
             if reply is not None:
                 sent[cid] = reply.shares
         deliveries = collect("share_keys", server.collect_shares, sent)
-        masked = {}
+        masked, blamed = {}, {}
         for cid, shares in deliveries.items():
             reply = exchange("masked_input", cid, ShareDelivery(cid, shares), lambda m, c=cid: (
-                MaskedVector(c, params.bits, clients[c].masked_input(inputs[c], m.shares))),
-                MaskedVector)
+                MaskedVector(c, params.bits, clients[c].masked_input(inputs[c], m.shares),
+                             clients[c].blamed)), MaskedVector)
             if reply is not None:
                 masked[cid] = reply.values
-        requests = collect("masked_input", server.collect_masked, masked)
+                blamed[cid] = reply.blamed
+        requests = collect("masked_input", lambda m: server.collect_masked(m, blamed), masked)
         log.survivors = server.survivors
         answers = {}
         for cid, (survivors, dropped) in requests.items():
