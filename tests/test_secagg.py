@@ -49,15 +49,21 @@ def _params(n=10, k=None, t=None, bits=16, d=200):
     return SecAggParams(n, k, t or k // 2 + 1, bits, d, b"test session")
 
 
-def _through_stage3(params, seed=b"direct", masked_drop=()):
-    """Stages 1-3 driven directly (no bytes): the server, clients and unmask requests."""
+def _through_stage2(params, seed):
+    """Stages 1-2 driven directly: the server, clients and each client's sent shares."""
     ids = list(range(params.num_clients))
     graph = ring_graph(ids, params.num_shares, seed)
     server = SecAggServer(params, graph)
     clients = {u: SecAggClient(u, params, graph[u], crypto.seeded_rng(seed + bytes([u])))
                for u in ids}
     dirs = server.collect_public_keys({u: c.setup() for u, c in clients.items()})
-    sent = {u: clients[u].share_keys(dirs[u]) for u in dirs}
+    return server, clients, {u: clients[u].share_keys(dirs[u]) for u in dirs}
+
+
+def _through_stage3(params, seed=b"direct", masked_drop=()):
+    """Stages 1-3 driven directly (no bytes): the server, clients and unmask requests."""
+    ids = list(range(params.num_clients))
+    server, clients, sent = _through_stage2(params, seed)
     deliveries = server.collect_shares(sent)
     inputs = _inputs(ids, params.length, params.bits)
     masked = {u: clients[u].masked_input(inputs[u], deliveries[u]) for u in deliveries
@@ -325,12 +331,7 @@ def _garbled_round(params, rogue, garbled, seed=b"garbage"):
     """Stages 1-4 driven directly, ``rogue``'s shares for the neighbours in ``garbled``
     replaced by random bytes; (server, the unmasked sum or None if aborted, inputs)."""
     ids = list(range(params.num_clients))
-    graph = ring_graph(ids, params.num_shares, seed)
-    server = SecAggServer(params, graph)
-    clients = {u: SecAggClient(u, params, graph[u], crypto.seeded_rng(seed + bytes([u])))
-               for u in ids}
-    dirs = server.collect_public_keys({u: c.setup() for u, c in clients.items()})
-    sent = {u: clients[u].share_keys(dirs[u]) for u in dirs}
+    server, clients, sent = _through_stage2(params, seed)
     rng = np.random.default_rng(0)
     for v in garbled:
         sent[rogue][v] = rng.bytes(len(sent[rogue][v]))
