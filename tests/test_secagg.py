@@ -2,6 +2,7 @@
 under drop-outs up to the threshold, aborts below it, the uniformity of masked vectors, a
 server that asks for both shares of a node, and strict parsing of every message."""
 
+import dataclasses
 import itertools
 import random
 
@@ -22,10 +23,13 @@ from fedax.runtime.secagg import (
     Setup,
     ShareBundle,
     ShareDelivery,
+    SurvivorSet,
+    SurvivorSignature,
     UnmaskRequest,
     UnmaskShares,
     crypto,
     default_num_shares,
+    messages,
     ring_graph,
     run_round,
     shamir,
@@ -484,7 +488,12 @@ def _messages():
             EncryptedShares(3, {1: b"xyz", 4: b""}), ShareDelivery(3, {0: b"abc"}),
             MaskedVector(3, 12, np.arange(6, dtype=np.uint32) * 800, (1, 4)),
             UnmaskRequest((3, 0, 1), (4,)), UnmaskShares(3, {0: share, 4: share}),
-            ShareBundle(3, 4, share, share)]
+            ShareBundle(3, 4, share, share),
+            Setup(dataclasses.replace(params, signers=3), 3, (0, 1, 2, 4), (0, 1, 2, 3, 4)),
+            PublicKeys(3, b"a" * 32, b"b" * 32, b"s" * 64),
+            KeyDirectory({1: (b"a" * 32, b"b" * 32)}, {1: b"s" * 64}),
+            SurvivorSet((0, 1, 3, 4), (0, 3)), SurvivorSignature(3, b"s" * 64),
+            UnmaskRequest((3, 0), (4,), {0: b"s" * 64, 3: b"t" * 64})]
 
 
 def test_messages_round_trip_and_masked_vectors_are_packed():
@@ -517,7 +526,7 @@ def test_malformed_messages_raise_secagg_error_only():
                 cls.from_bytes(bytes(bad))
             except SecAggError:
                 pass
-    huge = b"\1\7" + b"\xff\xff\xff\xff"  # an id list claiming 2^32 - 1 entries
+    huge = bytes([messages.VERSION, 7]) + b"\xff\xff\xff\xff"  # an id list claiming 2^32 - 1 entries
     with pytest.raises(SecAggError, match="truncated"):
         UnmaskRequest.from_bytes(huge)
     over = MaskedVector(1, 12, np.array([4096], np.uint32)).to_bytes()

@@ -10,11 +10,14 @@ method per stage; ``fedax.runtime.secagg.messages`` turns what they exchange int
 * ``shamir``: t-of-n secret sharing of byte strings over GF(2^127 - 1);
 * ``crypto``: X25519 + HKDF-SHA256, AES-256-GCM, the ChaCha20 mask PRG;
 * ``graph``: the shuffled ring graph of degree k - 1;
+* ``identity``: the clients' Ed25519 identity keys and the ``Roster`` (the consistency
+  check against a lying server);
 * ``params``, ``protocol``, ``messages``, ``simulate``: the round itself.
 """
 
 from fedax.runtime.secagg.errors import SecAggAbort, SecAggError
 from fedax.runtime.secagg.graph import default_num_shares, ring_graph
+from fedax.runtime.secagg.identity import IdentityKey, Roster
 from fedax.runtime.secagg.messages import (
     EncryptedShares,
     KeyDirectory,
@@ -23,6 +26,8 @@ from fedax.runtime.secagg.messages import (
     Setup,
     ShareBundle,
     ShareDelivery,
+    SurvivorSet,
+    SurvivorSignature,
     UnmaskRequest,
     UnmaskShares,
 )
@@ -32,9 +37,11 @@ from fedax.runtime.secagg.simulate import Transcript, run_round
 
 __all__ = [
     "EncryptedShares",
+    "IdentityKey",
     "KeyDirectory",
     "MaskedVector",
     "PublicKeys",
+    "Roster",
     "SecAggAbort",
     "SecAggClient",
     "SecAggError",
@@ -43,6 +50,8 @@ __all__ = [
     "Setup",
     "ShareBundle",
     "ShareDelivery",
+    "SurvivorSet",
+    "SurvivorSignature",
     "Transcript",
     "UnmaskRequest",
     "UnmaskShares",

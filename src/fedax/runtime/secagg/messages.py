@@ -7,16 +7,19 @@ integers are ``uint32`` unless noted, a blob is ``uint32 length | bytes``, an id
 ====================  =========  ====================================================
 message               direction  fields
 ====================  =========  ====================================================
-``Setup``             s -> c     params (n, k, t, bits: uint8, d, session blob), cid,
-                                 neighbour ids
-``PublicKeys``        c -> s     cid, pk1 (32 bytes), pk2 (32 bytes)
-``KeyDirectory``      s -> c     count, (id, pk1, pk2)*
+``Setup``             s -> c     params (n, k, t, bits: uint8, d, s, session blob),
+                                 cid, neighbour ids, member ids (all n, with s > 0)
+``PublicKeys``        c -> s     cid, pk1 (32 bytes), pk2 (32 bytes), signature blob
+                                 (Ed25519 over ``key_statement``; empty with s = 0)
+``KeyDirectory``      s -> c     count, (id, pk1, pk2)*, map id -> signature
 ``EncryptedShares``   c -> s     src, map dst -> AES-GCM ciphertext
 ``ShareDelivery``     s -> c     dst, map src -> AES-GCM ciphertext
 ``MaskedVector``      c -> s     cid, bits: uint8, d, values (little-endian, 1, 2 or 4
                                  bytes each: the narrowest that holds 2^bits - 1),
                                  blamed ids (neighbours whose shares did not open)
-``UnmaskRequest``     s -> c     survivor ids, dropped ids
+``SurvivorSet``       s -> c     U2 ids, U3 ids (the consistency check, s > 0 only)
+``SurvivorSignature`` c -> s     cid, signature blob (over ``survivor_statement``)
+``UnmaskRequest``     s -> c     survivor ids, dropped ids, map id -> signature of U3
 ``UnmaskShares``      c -> s     cid, map id -> Shamir share
 ====================  =========  ====================================================
 
@@ -28,6 +31,7 @@ The ciphertext of a share message decrypts to ``src | dst | blob b-share | blob 
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,9 +40,10 @@ import numpy as np
 
 from fedax.runtime.secagg.crypto import KEY_BYTES
 from fedax.runtime.secagg.errors import SecAggError
+from fedax.runtime.secagg.identity import round_digest
 from fedax.runtime.secagg.params import SecAggParams
 
-VERSION = 1
+VERSION = 2
 
 
 class _Reader:
@@ -112,63 +117,82 @@ def _blobs(items: Mapping[int, bytes]) -> bytes:
         struct.pack(">I", k) + _blob(v) for k, v in sorted(items.items()))
 
 
+def _params(p: SecAggParams) -> bytes:
+    return (struct.pack(">IIIBII", p.num_clients, p.num_shares, p.threshold, p.bits,
+                        p.length, p.signers) + _blob(p.session))
+
+
 @dataclass(frozen=True)
 class Setup:
-    """Server -> client: the round's parameters, the client's id and its neighbours."""
+    """Server -> client: the round's parameters, the client's id and its neighbours, and
+    (with a consistency check) the n members, sorted, which ``digest`` binds."""
     TAG = 1
     params: SecAggParams
     cid: int
     neighbours: tuple[int, ...]
+    members: tuple[int, ...] = ()
 
     def to_bytes(self) -> bytes:
-        p = self.params
-        return (_head(self.TAG)
-                + struct.pack(">IIIBI", p.num_clients, p.num_shares, p.threshold, p.bits,
-                              p.length)
-                + _blob(p.session) + struct.pack(">I", self.cid) + _ids(self.neighbours))
+        return (_head(self.TAG) + _params(self.params) + struct.pack(">I", self.cid)
+                + _ids(self.neighbours) + _ids(self.members))
+
+    def digest(self) -> bytes:
+        """The round every signature is bound to: SHA-256 of the parameters (session
+        included) and the members, the same for every client of the round."""
+        return round_digest(_params(self.params) + _ids(self.members))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Setup:
         r = _Reader(data, "Setup", cls.TAG)
-        n, k, t, bits, length = r.unpack(">IIIBI")
+        n, k, t, bits, length, signers = r.unpack(">IIIBII")
         session = r.blob()
         try:
-            params = SecAggParams(n, k, t, bits, length, session)
+            params = SecAggParams(n, k, t, bits, length, session, signers)
         except ValueError as err:
             raise SecAggError(f"malformed Setup: {err}") from None
-        cid, neighbours = r.u32(), r.ids()
+        cid, neighbours, members = r.u32(), r.ids(), r.ids()
         r.end()
-        return cls(params, cid, neighbours)
+        if signers and (list(members) != sorted(members) or len(members) != n
+                        or not {cid, *neighbours} <= set(members)):
+            r.fail(f"the members must be the {n} client ids, sorted, this client and its "
+                   "neighbours among them")
+        return cls(params, cid, neighbours, members)
 
 
 @dataclass(frozen=True)
 class PublicKeys:
-    """Client -> server, stage 1: the client's two X25519 public keys."""
+    """Client -> server, stage 1: the client's two X25519 public keys, signed (with a
+    consistency check) by its identity key."""
     TAG = 2
     cid: int
     pk1: bytes
     pk2: bytes
+    signature: bytes = b""
 
     def to_bytes(self) -> bytes:
-        return _head(self.TAG) + struct.pack(">I", self.cid) + self.pk1 + self.pk2
+        return (_head(self.TAG) + struct.pack(">I", self.cid) + self.pk1 + self.pk2
+                + _blob(self.signature))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PublicKeys:
         r = _Reader(data, "PublicKeys", cls.TAG)
-        out = cls(r.u32(), r.take(KEY_BYTES), r.take(KEY_BYTES))
+        out = cls(r.u32(), r.take(KEY_BYTES), r.take(KEY_BYTES), r.blob())
         r.end()
         return out
 
 
 @dataclass(frozen=True)
 class KeyDirectory:
-    """Server -> client, stage 2: the public keys of the client and its live neighbours."""
+    """Server -> client, stage 2: the public keys of the client and its live neighbours,
+    and their signatures (with a consistency check)."""
     TAG = 3
     keys: Mapping[int, tuple[bytes, bytes]]
+    signatures: Mapping[int, bytes] = dataclasses.field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         return _head(self.TAG) + struct.pack(">I", len(self.keys)) + b"".join(
-            struct.pack(">I", v) + pk1 + pk2 for v, (pk1, pk2) in sorted(self.keys.items()))
+            struct.pack(">I", v) + pk1 + pk2 for v, (pk1, pk2) in sorted(self.keys.items())
+        ) + _blobs(self.signatures)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> KeyDirectory:
@@ -179,8 +203,9 @@ class KeyDirectory:
             if v in keys:
                 r.fail(f"repeated id {v}")
             keys[v] = (r.take(KEY_BYTES), r.take(KEY_BYTES))
+        signatures = r.blobs()
         r.end()
-        return cls(keys)
+        return cls(keys, signatures)
 
 
 @dataclass(frozen=True)
@@ -254,19 +279,58 @@ class MaskedVector:
 
 
 @dataclass(frozen=True)
+class SurvivorSet:
+    """Server -> client, the consistency check: U2 (sent shares), U3 (sent masked inputs)."""
+    TAG = 10
+    u2: tuple[int, ...]
+    u3: tuple[int, ...]
+
+    def to_bytes(self) -> bytes:
+        return _head(self.TAG) + _ids(self.u2) + _ids(self.u3)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SurvivorSet:
+        r = _Reader(data, "SurvivorSet", cls.TAG)
+        out = cls(r.ids(), r.ids())
+        r.end()
+        return out
+
+
+@dataclass(frozen=True)
+class SurvivorSignature:
+    """Client -> server, the consistency check: its signature on the ``SurvivorSet``."""
+    TAG = 11
+    cid: int
+    signature: bytes
+
+    def to_bytes(self) -> bytes:
+        return _head(self.TAG) + struct.pack(">I", self.cid) + _blob(self.signature)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SurvivorSignature:
+        r = _Reader(data, "SurvivorSignature", cls.TAG)
+        out = cls(r.u32(), r.blob())
+        r.end()
+        return out
+
+
+@dataclass(frozen=True)
 class UnmaskRequest:
-    """Server -> client, stage 4: whose b-shares (survivors) and sk1-shares (dropped)."""
+    """Server -> client, stage 4: whose b-shares (survivors) and sk1-shares (dropped), and
+    (with a consistency check) the survivors' signatures on the ``SurvivorSet``."""
     TAG = 7
     survivors: tuple[int, ...]
     dropped: tuple[int, ...]
+    signatures: Mapping[int, bytes] = dataclasses.field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
-        return _head(self.TAG) + _ids(self.survivors) + _ids(self.dropped)
+        return (_head(self.TAG) + _ids(self.survivors) + _ids(self.dropped)
+                + _blobs(self.signatures))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> UnmaskRequest:
         r = _Reader(data, "UnmaskRequest", cls.TAG)
-        out = cls(r.ids(), r.ids())
+        out = cls(r.ids(), r.ids(), r.blobs())
         r.end()
         return out
 

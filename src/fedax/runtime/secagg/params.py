@@ -29,6 +29,10 @@ class SecAggParams:
         length: d, the length of every input vector.
         session: a public id unique to the round (salt of every key derivation, bound
             into every encrypted share), 1 to 1024 bytes.
+        signers: s, the consistency check (``identity``): a client reveals shares only
+            with s signatures of survivors on the survivor sets it signed; 0 for none (an
+            honest-but-curious server), else a strict majority of n, n/2 < s <= n
+            (against a server colluding with c clients: s > (n + c) / 2).
     """
 
     num_clients: int
@@ -37,6 +41,7 @@ class SecAggParams:
     bits: int
     length: int
     session: bytes
+    signers: int = 0
 
     def __post_init__(self):
         n, k, t = (_int(f, getattr(self, f)) for f in ("num_clients", "num_shares", "threshold"))
@@ -51,6 +56,10 @@ class SecAggParams:
             raise ValueError(f"bits {bits} must be in [1, 32]")
         if not 1 <= length < 2**32:
             raise ValueError(f"length {length} must be in [1, 2**32)")
+        signers = _int("signers", self.signers)
+        if signers and not n < 2 * signers <= 2 * n:
+            raise ValueError(f"signers {signers} must be 0 or a strict majority of "
+                             f"num_clients {n}: in ({n // 2}, {n}]")
         if not isinstance(self.session, bytes) or not 1 <= len(self.session) <= 1024:
             raise ValueError("session must be 1 to 1024 bytes, e.g. os.urandom(16)")
 

@@ -16,6 +16,18 @@ Each sampled client u runs four stages, each answering one server request:
 4. ``unmask``: given the survivors and the dropped, it returns its shares of b_v for the
    survivors and of sk1_v for the dropped, never both for one node in a session.
 
+Against a server that lies (``params.signers`` > 0; ``identity`` has the keys): each
+client signs its stage-1 keys with its identity key and checks its neighbours' against the
+``Roster`` before encrypting to them (so the server cannot put its own keys in their
+place), and between stages 3 and 4 signs the survivor sets (U2, U3) the server tells it
+(``sign_survivors``, after checking that they match what it saw: it is in U3, the
+neighbours in U2 are exactly those whose shares reached it, none it blamed is in U3). It
+reveals shares in stage 4 only with ``signers`` valid signatures of U3 members on that same
+statement, and only b-shares of U3 members and sk1-shares of U2 − U3 members. As each
+honest client signs one statement per round and ``signers`` > n/2, no two honest clients
+act on different survivor sets: the server learns the sum over U3 and nothing else
+(Bonawitz et al. 2017, §4's ConsistencyCheck; Bell et al. 2020, §5).
+
 The server routes (it cannot decrypt a share), and removes the masks: every survivor's
 PRG(b_u), and the pairwise masks survivors share with nodes that dropped before stage 3
 (their sk1 recovered from shares, where some survivor masked with them). It aborts
@@ -49,6 +61,12 @@ from fedax.runtime.secagg.crypto import (
 )
 from fedax.runtime.secagg.errors import SecAggAbort, SecAggError
 from fedax.runtime.secagg.graph import MAX_ID
+from fedax.runtime.secagg.identity import (
+    IdentityKey,
+    Roster,
+    key_statement,
+    survivor_statement,
+)
 from fedax.runtime.secagg.messages import Setup, ShareBundle
 from fedax.runtime.secagg.params import SecAggParams
 from fedax.runtime.secagg.shamir import combine, parse, split
@@ -80,7 +98,8 @@ class SecAggClient:
     asked again, and never yields both shares of one node)."""
 
     def __init__(self, cid: int, params: SecAggParams, neighbours: Iterable[int],
-                 rng: Rng = os.urandom):
+                 rng: Rng = os.urandom, identity: IdentityKey | None = None,
+                 roster: Roster | None = None, digest: bytes = b""):
         if not isinstance(params, SecAggParams):
             raise TypeError(f"params must be SecAggParams, got {type(params).__name__}")
         (self.cid,) = _ids([cid], "the client id")
@@ -92,11 +111,23 @@ class SecAggClient:
         self._shares: dict[int, tuple[bytes, bytes]] = {}  # node -> (its b share, its sk1 share)
         self._revealed: dict[int, str] = {}  # node -> "b" or "sk1", what the server has had
         self.blamed: tuple[int, ...] = ()  # neighbours whose shares did not open (stage 3)
+        self._identity, self._roster, self._digest = identity, roster, digest
+        if params.signers and (identity is None or roster is None or not digest):
+            raise SecAggError(f"client {cid}: a round with a consistency check needs the "
+                              "client's identity key, the roster and the round's digest")
+        if identity is not None and not params.signers:
+            self._refuse("the round has no consistency check (signers 0), and this client "
+                         "has an identity key: it takes part only in rounds that check")
+        self.key_signature = b""  # its signature on its stage-1 keys (consistency check)
 
     @classmethod
-    def from_setup(cls, message: Setup, rng: Rng = os.urandom) -> SecAggClient:
-        """The client a ``Setup`` message describes."""
-        return cls(message.cid, message.params, message.neighbours, rng)
+    def from_setup(cls, message: Setup, rng: Rng = os.urandom,
+                   identity: IdentityKey | None = None,
+                   roster: Roster | None = None) -> SecAggClient:
+        """The client a ``Setup`` message describes; with ``identity`` and ``roster`` it
+        requires, and takes part in, the consistency check."""
+        return cls(message.cid, message.params, message.neighbours, rng, identity, roster,
+                   message.digest())
 
     def _enter(self, stage: str):
         if self._stage != stage:
@@ -110,14 +141,26 @@ class SecAggClient:
         self._enter("setup")
         self._sk1, self._pk1 = keypair(self._rng)
         self._sk2, self._pk2 = keypair(self._rng)
+        if self._identity is not None:
+            self.key_signature = self._identity.sign(
+                key_statement(self._digest, self.cid, self._pk1, self._pk2))
         self._stage = "share_keys"
         return self._pk1, self._pk2
 
-    def share_keys(self, keys: Mapping[int, tuple[bytes, bytes]]) -> dict[int, bytes]:
-        """Stage 2: ``keys`` (its live neighbours' (pk1, pk2), its own optional) -> one
-        encrypted ``ShareBundle`` per neighbour; itself and they hold its shares."""
+    def share_keys(self, keys: Mapping[int, tuple[bytes, bytes]],
+                   signatures: Mapping[int, bytes] | None = None) -> dict[int, bytes]:
+        """Stage 2: ``keys`` (its live neighbours' (pk1, pk2), its own optional; with a
+        consistency check, each signed in ``signatures``) -> one encrypted ``ShareBundle``
+        per neighbour; itself and they hold its shares."""
         self._enter("share_keys")
         keys, p = dict(keys), self.params
+        if self._roster is not None:
+            for v, (pk1, pk2) in sorted(keys.items()):
+                if v != self.cid and not self._roster.verify(
+                        v, key_statement(self._digest, v, pk1, pk2),
+                        (signatures or {}).get(v, b"")):
+                    self._refuse(f"client {v}'s keys are not signed by its identity key in "
+                                 "the roster (the server may have put its own in their place)")
         if keys.setdefault(self.cid, (self._pk1, self._pk2)) != (self._pk1, self._pk2):
             self._refuse("the key directory lists other keys as this client's own")
         if set(keys) - set(self.neighbours) - {self.cid}:
@@ -198,14 +241,53 @@ class SecAggClient:
                 y -= mask
         y &= np.uint32(p.modulus - 1)
         self._shares.update(shares)
+        self._delivered = frozenset(received)
         del self._seed, self._sk1, self._sk2  # only the shares are needed from here on
-        self._stage = "unmask"
+        self._stage = "sign" if p.signers else "unmask"
         return y
 
-    def unmask(self, survivors: Iterable[int], dropped: Iterable[int]) -> dict[int, bytes]:
-        """Stage 4: shares of b_v for each survivor v and of sk1_v for each dropped v."""
+    def sign_survivors(self, u2: Iterable[int], u3: Iterable[int]) -> bytes:
+        """The consistency check: its signature on the survivor sets the server told it,
+        once they agree with what it saw (it is in U3 ⊆ U2; its neighbours in U2 are the
+        sources of the shares it received; none it blamed is in U3). Once per round."""
+        self._enter("sign")
+        u2, u3 = set(_ids(u2, "U2")), set(_ids(u3, "U3"))
+        if not u3 <= u2 or self.cid not in u3:
+            self._refuse("the survivor sets do not have it in U3 ⊆ U2")
+        if set(self.neighbours) & u2 != self._delivered:
+            self._refuse(f"U2 lists neighbours {sorted(set(self.neighbours) & u2)}, but "
+                         f"shares reached it from {sorted(self._delivered)}")
+        if set(self.blamed) & u3:
+            self._refuse(f"U3 lists {sorted(set(self.blamed) & u3)}, whom it blamed")
+        assert self._identity is not None
+        self._survivor_sets = (frozenset(u2), frozenset(u3))
+        self._statement = survivor_statement(self._digest, u2, u3)
+        self._stage = "unmask"
+        return self._identity.sign(self._statement)
+
+    def _check_consistency(self, survivors: tuple[int, ...], dropped: tuple[int, ...],
+                           signatures: Mapping[int, bytes]) -> None:
+        """Stage 4's request against the statement this client signed (``signers``
+        signatures of U3 members on it; survivors in U3, dropped in U2 − U3)."""
+        assert self._roster is not None
+        u2, u3 = self._survivor_sets
+        valid = {v for v, sig in signatures.items()
+                 if v in u3 and self._roster.verify(v, self._statement, sig)}
+        if len(valid) < self.params.signers:
+            self._refuse(f"{len(valid)} valid signatures of survivors on the survivor sets "
+                         f"it signed, fewer than {self.params.signers} (the server may have "
+                         "told other clients another story)")
+        if not set(survivors) <= u3 or set(dropped) & u3 or not set(dropped) <= u2:
+            self._refuse("the unmask request does not follow the survivor sets it signed")
+
+    def unmask(self, survivors: Iterable[int], dropped: Iterable[int],
+               signatures: Mapping[int, bytes] | None = None) -> dict[int, bytes]:
+        """Stage 4: shares of b_v for each survivor v and of sk1_v for each dropped v
+        (with a consistency check, only as the signed survivor sets allow)."""
         self._enter("unmask")
         survivors, dropped = _ids(survivors, "survivors"), _ids(dropped, "dropped")
+        if self.params.signers:
+            self._check_consistency(survivors, dropped, signatures or {})
         if set(survivors) & set(dropped):
             self._refuse(f"{sorted(set(survivors) & set(dropped))} listed as survivors and "
                          "as dropped")
@@ -227,10 +309,14 @@ class SecAggServer:
     """The server's side of a round: ``collect_*`` once per stage, in order; each takes the
     replies that arrived and returns what to send next (per client), or the sum."""
 
-    def __init__(self, params: SecAggParams, neighbours: Mapping[int, Iterable[int]]):
+    def __init__(self, params: SecAggParams, neighbours: Mapping[int, Iterable[int]],
+                 roster: Roster | None = None):
         if not isinstance(params, SecAggParams):
             raise TypeError(f"params must be SecAggParams, got {type(params).__name__}")
-        self.params = params
+        if bool(params.signers) != (roster is not None):
+            raise ValueError("a consistency check (params.signers > 0) needs the roster of "
+                             "the clients' identity keys, and a roster needs signers > 0")
+        self.params, self.roster = params, roster
         self.neighbours = {u: frozenset(_ids(n, "neighbours")) for u, n in neighbours.items()}
         _ids(self.neighbours, "client ids")
         if len(self.neighbours) != params.num_clients:
@@ -245,10 +331,16 @@ class SecAggServer:
         self.aborted: str | None = None  # why, once aborted
         self.result: np.ndarray | None = None  # the sum, once unmasked
         self.rejected: dict[int, str] = {}  # client -> why its reply was set aside
+        self.members = tuple(sorted(self.neighbours)) if params.signers else ()
+        self.digest = Setup(params, 0, (), self.members).digest()
+        self.key_signatures: dict[int, bytes] = {}  # the live clients' (consistency check)
+        if roster is not None and (unlisted := set(self.members) - set(roster.keys)):
+            raise ValueError(f"clients {sorted(unlisted)} are not in the roster")
 
     def setup_messages(self) -> dict[int, Setup]:
-        """Stage 1 requests: the parameters and each client's neighbours."""
-        return {u: Setup(self.params, u, tuple(sorted(n))) for u, n in self.neighbours.items()}
+        """Stage 1 requests: the parameters and each client's neighbours (and the members)."""
+        return {u: Setup(self.params, u, tuple(sorted(n)), self.members)
+                for u, n in self.neighbours.items()}
 
     @property
     def survivors(self) -> tuple[int, ...]:
@@ -275,11 +367,13 @@ class SecAggServer:
             alive -= short
         return alive
 
-    def collect_public_keys(self, replies: Mapping[int, tuple[bytes, bytes]]
+    def collect_public_keys(self, replies: Mapping[int, tuple[bytes, bytes]],
+                            signatures: Mapping[int, bytes] | None = None
                             ) -> dict[int, dict[int, tuple[bytes, bytes]]]:
-        """Stage 1 replies (client -> (pk1, pk2)) -> each live client's key directory."""
+        """Stage 1 replies (client -> (pk1, pk2); with a consistency check, client -> its
+        signature on them) -> each live client's key directory (and ``key_signatures``)."""
         self._enter("setup", "share_keys")
-        t = self.params.threshold
+        t, signatures = self.params.threshold, signatures or {}
         keys: dict[int, tuple[bytes, bytes]] = {}
         counts: dict[bytes, int] = {}
         for pks in replies.values():
@@ -290,12 +384,16 @@ class SecAggServer:
                 self.rejected[u] = "not sampled"
             elif len(pks) != 2 or any(not is_public_key(k) or counts[k] > 1 for k in pks):
                 self.rejected[u] = "unusable or duplicated public keys"
+            elif self.roster is not None and not self.roster.verify(
+                    u, key_statement(self.digest, u, pks[0], pks[1]), signatures.get(u, b"")):
+                self.rejected[u] = "public keys not signed by its identity key"
             else:
                 keys[u] = (pks[0], pks[1])  # (a tuple, whatever sequence arrived)
         live = self._prune(keys)
         if len(live) < t:
             self._abort(f"{len(live)} clients sent usable keys, fewer than the threshold {t}")
         self._keys = {u: keys[u] for u in live}
+        self.key_signatures = {u: signatures[u] for u in live if u in signatures}
         self._directory = {u: {v: keys[v] for v in self._holders(u, live)} for u in live}
         return {u: dict(d) for u, d in self._directory.items()}
 
@@ -326,7 +424,7 @@ class SecAggServer:
         survivor's unmask request (survivors whose b-shares it holds, dropped whose
         sk1-shares it holds). A blamed client is dropped (its y is not summed); its sk1 is
         recovered only if some survivor masked with it."""
-        self._enter("masked_input", "unmask")
+        self._enter("masked_input", "sign" if self.params.signers else "unmask")
         masked = self._valid_masked(replies)
         blames = self._blames(masked, blamed or {})
         for v in sorted(set().union(*blames.values()) & set(masked)):
@@ -350,6 +448,30 @@ class SecAggServer:
                                            if (v, w) not in self._unpaired)))
                           for v in u3}
         return dict(self._requests)
+
+    def survivor_set(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(U2, U3), sorted: what every survivor signs in the consistency check."""
+        return tuple(sorted(self._u2)), self.survivors
+
+    def collect_signatures(self, replies: Mapping[int, bytes]
+                           ) -> dict[int, tuple[tuple[int, ...], tuple[int, ...], dict]]:
+        """The consistency check's replies (survivor -> its signature on ``survivor_set``)
+        -> each signer's unmask request, with every valid signature (``signers`` of them
+        at least, else it aborts)."""
+        self._enter("sign", "unmask")
+        assert self.roster is not None
+        statement = survivor_statement(self.digest, *self.survivor_set())
+        valid = {}
+        for u, sig in sorted(replies.items()):
+            if u in self._u3 and self.roster.verify(u, statement, sig):
+                valid[u] = sig
+            else:
+                self.rejected[u] = "a survivor-set signature that does not verify"
+        if len(valid) < self.params.signers:
+            self._abort(f"{len(valid)} survivors signed the survivor sets, fewer than "
+                        f"signers {self.params.signers}")
+        self._requests = {u: q for u, q in self._requests.items() if u in valid}
+        return {u: (*q, dict(valid)) for u, q in self._requests.items()}
 
     def _valid_masked(self, replies: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
         p, masked = self.params, {}

@@ -19,19 +19,22 @@ import numpy as np
 from fedax.runtime.secagg.crypto import seeded_rng
 from fedax.runtime.secagg.errors import SecAggAbort, SecAggError
 from fedax.runtime.secagg.graph import ring_graph
+from fedax.runtime.secagg.identity import IdentityKey, Roster
 from fedax.runtime.secagg.messages import (
     EncryptedShares,
     KeyDirectory,
     MaskedVector,
     PublicKeys,
     ShareDelivery,
+    SurvivorSet,
+    SurvivorSignature,
     UnmaskRequest,
     UnmaskShares,
 )
 from fedax.runtime.secagg.params import SecAggParams
 from fedax.runtime.secagg.protocol import SecAggClient, SecAggServer
 
-STAGES = ("setup", "share_keys", "masked_input", "unmask")
+STAGES = ("setup", "share_keys", "masked_input", "sign", "unmask")
 DROPS = ("offline", *STAGES)
 
 
@@ -68,7 +71,8 @@ def _rngs(seed: bytes | int | None) -> tuple[bytes, Callable[[int], Callable[[in
 
 
 def run_round(inputs: Mapping[int, np.ndarray], params: SecAggParams, *,
-              drop: Mapping[str, set[int]] | None = None, seed: bytes | int | None = None
+              drop: Mapping[str, set[int]] | None = None, seed: bytes | int | None = None,
+              identities: Mapping[int, IdentityKey] | None = None
               ) -> tuple[np.ndarray, Transcript]:
     """One SecAgg+ round over ``inputs`` (client id -> uint vector in [0, 2^bits)).
 
@@ -76,10 +80,12 @@ def run_round(inputs: Mapping[int, np.ndarray], params: SecAggParams, *,
         inputs: one vector of ``params.length`` per sampled client.
         params: the round's parameters; ``num_clients`` must be ``len(inputs)``.
         drop: stage -> clients that drop: ``"offline"`` never answer; ``"setup"``,
-            ``"share_keys"``, ``"masked_input"`` drop after answering that stage;
-            ``"unmask"`` drop during it (the reply is lost).
+            ``"share_keys"``, ``"masked_input"``, ``"sign"`` drop after answering that
+            stage; ``"unmask"`` drop during it (the reply is lost).
         seed: makes the graph and every client's randomness deterministic (tests only:
             anyone knowing it knows the keys); None draws from ``os.urandom``.
+        identities: each client's identity key, for a round with ``params.signers`` > 0
+            (the consistency check; the roster is theirs).
 
     Returns:
         ``(sum of the survivors' inputs mod 2^bits, transcript)``; the survivors are
@@ -92,7 +98,9 @@ def run_round(inputs: Mapping[int, np.ndarray], params: SecAggParams, *,
         raise ValueError(f"drop stages must be among {DROPS}, got {sorted(drop)}")
     graph_seed, rng_for = _rngs(seed)
     graph = ring_graph(sorted(inputs), params.num_shares, graph_seed)
-    server, log, clients = SecAggServer(params, graph), Transcript(graph), {}
+    roster = Roster.of(identities) if params.signers and identities is not None else None
+    server, log, clients = SecAggServer(params, graph, roster), Transcript(graph), {}
+    identity = (identities or {}).get if roster is not None else (lambda cid: None)
     gone = set(drop.get("offline", ()))
 
     def exchange(stage, cid, request, handle, reply_type):
@@ -122,19 +130,24 @@ def run_round(inputs: Mapping[int, np.ndarray], params: SecAggParams, *,
             gone.update(drop.get(stage, ()))
 
     def setup(msg):
-        clients[msg.cid] = client = SecAggClient.from_setup(msg, rng_for(msg.cid))
-        return PublicKeys(msg.cid, *client.setup())
+        clients[msg.cid] = client = SecAggClient.from_setup(
+            msg, rng_for(msg.cid), identity(msg.cid), roster)
+        return PublicKeys(msg.cid, *client.setup(), client.key_signature)
 
     try:
-        keys = {}
+        keys, signatures = {}, {}
         for cid, msg in server.setup_messages().items():
             if (reply := exchange("setup", cid, msg, setup, PublicKeys)) is not None:
-                keys[cid] = (reply.pk1, reply.pk2)
-        directories = collect("setup", server.collect_public_keys, keys)
+                keys[cid], signatures[cid] = (reply.pk1, reply.pk2), reply.signature
+        directories = collect("setup", lambda k: server.collect_public_keys(k, signatures),
+                              keys)
         sent = {}
         for cid, directory in directories.items():
-            reply = exchange("share_keys", cid, KeyDirectory(directory), lambda m, c=cid: (
-                EncryptedShares(c, clients[c].share_keys(m.keys))), EncryptedShares)
+            request = KeyDirectory(directory, {v: server.key_signatures[v] for v in directory
+                                               if v in server.key_signatures})
+            reply = exchange("share_keys", cid, request, lambda m, c=cid: (
+                EncryptedShares(c, clients[c].share_keys(m.keys, m.signatures))),
+                EncryptedShares)
             if reply is not None:
                 sent[cid] = reply.shares
         deliveries = collect("share_keys", server.collect_shares, sent)
@@ -148,10 +161,21 @@ def run_round(inputs: Mapping[int, np.ndarray], params: SecAggParams, *,
                 blamed[cid] = reply.blamed
         requests = collect("masked_input", lambda m: server.collect_masked(m, blamed), masked)
         log.survivors = server.survivors
+        if params.signers:
+            u2, u3 = server.survivor_set()
+            signed = {}
+            for cid in requests:
+                reply = exchange("sign", cid, SurvivorSet(u2, u3), lambda m, c=cid: (
+                    SurvivorSignature(c, clients[c].sign_survivors(m.u2, m.u3))),
+                    SurvivorSignature)
+                if reply is not None:
+                    signed[cid] = reply.signature
+            requests = collect("sign", server.collect_signatures, signed)
         answers = {}
-        for cid, (survivors, dropped) in requests.items():
-            reply = exchange("unmask", cid, UnmaskRequest(survivors, dropped), lambda m, c=cid: (
-                UnmaskShares(c, clients[c].unmask(m.survivors, m.dropped))), UnmaskShares)
+        for cid, request in requests.items():
+            reply = exchange("unmask", cid, UnmaskRequest(*request), lambda m, c=cid: (
+                UnmaskShares(c, clients[c].unmask(m.survivors, m.dropped, m.signatures))),
+                UnmaskShares)
             if reply is not None:
                 answers[cid] = reply.shares
         total = collect("unmask", server.collect_unmask, answers)
