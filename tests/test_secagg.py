@@ -526,7 +526,7 @@ def test_malformed_messages_raise_secagg_error_only():
                 cls.from_bytes(bytes(bad))
             except SecAggError:
                 pass
-    huge = bytes([messages.VERSION, 7]) + b"\xff\xff\xff\xff"  # an id list claiming 2^32 - 1 entries
+    huge = bytes([messages.VERSION, 7]) + b"\xff\xff\xff\xff"  # ids: 2^32 - 1 of them
     with pytest.raises(SecAggError, match="truncated"):
         UnmaskRequest.from_bytes(huge)
     over = MaskedVector(1, 12, np.array([4096], np.uint32)).to_bytes()

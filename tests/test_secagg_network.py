@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -42,7 +43,7 @@ from fedax.runtime import (
     wire,
 )
 from fedax.runtime.rounds import RoundFailed
-from fedax.runtime.secagg import SecAggServer
+from fedax.runtime.secagg import IdentityKey, Roster, SecAggServer
 from fedax.runtime.secure_client import SecAggFault
 from fedax.runtime.secure_phase import WITHHELD
 from fedax.runtime.secure_task import (
@@ -78,24 +79,36 @@ def secure_task(n=7, secure=None, **config):
     return Task(data, n, [DIM], {"input_dim": DIM, "num_classes": CLASSES})
 
 
-def make_server(task, pki, key="seed", **config):
+def make_server(task, pki, key="seed", roster=None, **config):
     config = {"rounds": 1, "cohort_size": task.num_clients, "deadline_s": 3.0,
               "poll_interval_s": 0.05, **config}
     return Server(task, ServerConfig(**config), ServerTLS(pki["cert"], pki["key"]),
                   Registry.load(pki["registry"]),
-                  key=jax.random.key(task.seed) if key == "seed" else key)
+                  key=jax.random.key(task.seed) if key == "seed" else key, roster=roster)
 
 
-def secure_run(task, pki, parts, faults=None, ids=None, expect_error=None, **config):
+def identity_of(pki, k):
+    """Client k's identity key and the roster (``make_dev_pki`` wrote them)."""
+    setup = Path(pki["roster"]).parent
+    return {"identity": IdentityKey.load(setup / "identities" / f"{k}.key"),
+            "roster": Roster.load(pki["roster"])}
+
+
+def secure_run(task, pki, parts, faults=None, ids=None, expect_error=None, checked=None,
+               **config):
     """A secure server and one client thread per id (``faults``: id -> SecAggFault) run to
-    the end (or to the server's error); returns the stopped server and the clients."""
-    server = make_server(task, pki, **config)
+    the end (or to the server's error); returns the stopped server and the clients.
+    ``checked``: "both" (the server has the roster and the clients their identity keys),
+    "clients" (only they), None (neither)."""
+    roster = Roster.load(pki["roster"]) if checked == "both" else None
+    server = make_server(task, pki, roster=roster, **config)
     port = server.start()
     stop, clients, errors = threading.Event(), {}, {}
     ids = range(task.num_clients) if ids is None else ids
 
     def go(k):
-        clients[k] = Client(client_config(pki, port, k, reconnect_s=5.0), *parts[k],
+        keys = identity_of(pki, k) if checked else {}
+        clients[k] = Client(client_config(pki, port, k, reconnect_s=5.0, **keys), *parts[k],
                             stop=stop, fault=(faults or {}).get(k))
         try:
             clients[k].run()
@@ -390,8 +403,8 @@ def test_a_client_that_sends_garbage_shares_is_dropped_and_the_round_completes(
     rogue, honest = N - 1, list(range(N - 1))
     share_keys = SecAggClient.share_keys
 
-    def garbling(self, keys):
-        out = share_keys(self, keys)
+    def garbling(self, keys, signatures=None):
+        out = share_keys(self, keys, signatures)
         if self.cid == rogue:
             out = {v: bytes(len(c)) for v, c in out.items()}
         return out

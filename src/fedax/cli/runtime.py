@@ -188,10 +188,12 @@ def cmd_server_init(args) -> int:
     with _staged(out, args.overwrite) as stage:
         make_dev_pki(stage, n, hosts)
         write_atomic(stage / "config.yaml", _config_text(config, source))
-    print(f"wrote ca.pem, server.pem/.key, registry.json, tokens/0..{n - 1}.token and "
-          f"config.yaml in {out}; start the server with: fedax server start --config "
-          f"{out}/config.yaml, and each client with: fedax client --server HOST:PORT --ca "
-          f"{out}/ca.pem --config {out}/config.yaml --id K --token-file {out}/tokens/K.token")
+    print(f"wrote ca.pem, server.pem/.key, registry.json, tokens/0..{n - 1}.token, "
+          f"identities/0..{n - 1}.key, roster.json and config.yaml in {out}; start the "
+          f"server with: fedax server start --config {out}/config.yaml, and each client "
+          f"with: fedax client --server HOST:PORT --ca {out}/ca.pem --config "
+          f"{out}/config.yaml --id K --token-file {out}/tokens/K.token --identity "
+          f"{out}/identities/K.key --roster {out}/roster.json")
     return 0
 
 
@@ -229,7 +231,7 @@ def _start_from_config(args) -> int:
                                                    "min_reports", "deadline_s",
                                                    "max_attempts", "max_examples",
                                                    "checkpoint_dir", "test_data", "cert",
-                                                   "key", "registry")
+                                                   "key", "registry", "roster")
              if getattr(args, n) is not None]
     if given:
         raise ValueError(f"with --config, {', '.join(given)} come from the config (rounds, "
@@ -258,6 +260,7 @@ def cmd_server_start(args) -> int:
 
     _quiet_grpc(args)
     from fedax.runtime import Registry, Server, ServerTLS, Task
+    from fedax.runtime.secagg import Roster
 
     _logging("server")
     if args.config is not None:
@@ -280,7 +283,8 @@ def cmd_server_start(args) -> int:
         evaluate = _evaluator(task, x, y)
     server = Server(task, _server_config(args), ServerTLS(args.cert, args.key),
                     Registry.load(args.registry), address=f"{args.host}:{args.port}",
-                    resume=args.resume, evaluate=evaluate)
+                    resume=args.resume, evaluate=evaluate,
+                    roster=None if args.roster is None else Roster.load(args.roster))
     port = server.start()
     print(f"fedax server: listening on {args.host}:{port} (TLS)", file=sys.stderr, flush=True)
     try:
@@ -371,11 +375,13 @@ def cmd_client(args) -> int:
     else:
         examples = {k: (*_data_file(_per_client(args.data, k, several, "--data")), None)
                     for k in ids}
+    roster = _roster(args)
     clients = [Client(ClientConfig(args.server, k, read_token(
         _per_client(args.token_file, k, several, "--token-file")),
         ClientTLS(args.ca, args.server_name),
         state_dir=_per_client(args.state_dir, k, several, "--state-dir"),
-        reconnect_s=args.reconnect_s, connect_s=args.connect_s, delay_s=args.delay_s),
+        reconnect_s=args.reconnect_s, connect_s=args.connect_s, delay_s=args.delay_s,
+        identity=roster and _identity(args, k, several, roster), roster=roster),
         *examples[k][:2], test=examples[k][2]) for k in ids]
     results: dict[int, Any] = {}
 
@@ -403,6 +409,46 @@ def cmd_client(args) -> int:
         if not isinstance(err, Exception):
             raise err
         raise err if not several else type(err)(f"client {k}: {err}")
+    return 0
+
+
+def _roster(args):
+    """``--roster`` (with ``--identity``, both or neither), loaded; None without."""
+    if (args.identity is None) != (args.roster is None):
+        raise ValueError("give --identity (this client's key) and --roster (every client's "
+                         "verification key) together, or neither")
+    if args.roster is None:
+        return None
+    from fedax.runtime.secagg import Roster
+
+    return Roster.load(args.roster)
+
+
+def _identity(args, k: int, several: bool, roster):
+    """Client ``k``'s identity key, checked against its roster entry."""
+    from fedax.runtime.secagg import IdentityKey
+
+    path = _per_client(args.identity, k, several, "--identity")
+    identity = IdentityKey.load(path)
+    if roster.keys.get(k) != identity.public:
+        raise ValueError(f"the identity key {path} is not client {k}'s in the roster "
+                         f"{args.roster}")
+    return identity
+
+
+@_one_line
+def cmd_identity(args) -> int:
+    """A new SecAgg+ identity key in PATH (never overwritten); prints the roster line."""
+    from fedax.runtime.secagg import IdentityKey
+
+    if Path(args.path).exists():
+        raise ValueError(f"{args.path} exists; an identity key is never overwritten (it is "
+                         "this client's name in the roster)")
+    identity = IdentityKey.generate()
+    identity.save(args.path)
+    print(f'"{args.id}": "{identity.public.hex()}"')
+    print(f"wrote {args.path}; give the line above to the operator for roster.json "
+          '({"ed25519": {...}})', file=sys.stderr)
     return 0
 
 
@@ -437,6 +483,8 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     start.add_argument("--cert", help="server certificate chain (PEM)")
     start.add_argument("--key", help="server private key (PEM)")
     start.add_argument("--registry", help="client registry (JSON)")
+    start.add_argument("--roster", help="the clients' SecAgg+ identity keys (JSON): secure "
+                       "rounds run the consistency check")
     start.add_argument("--host", default="127.0.0.1",
                        help="interface to listen on (0.0.0.0 for other machines)")
     start.add_argument("--port", type=int, default=9092)
@@ -504,4 +552,16 @@ def add_commands(sub, common: argparse.ArgumentParser) -> None:
     client.add_argument("--delay-s", type=float, default=0.0,
                         help="wait this long after training each task, before reporting (a "
                              "slow device, for experiments; default 0)")
+    client.add_argument("--identity", help="this client's SecAgg+ identity key (fedax "
+                        "identity writes one; {id} as for --token-file): with --roster, "
+                        "it takes part in secure rounds only with the consistency check")
+    client.add_argument("--roster", help="every client's identity verification key (JSON, "
+                        "from the operator, not the server)")
     client.set_defaults(func=cmd_client)
+
+    identity = sub.add_parser("identity", parents=[common],
+                              help="a new SecAgg+ identity key for a client (prints its "
+                                   "roster entry)")
+    identity.add_argument("path")
+    identity.add_argument("--id", required=True, type=int, help="the client's id")
+    identity.set_defaults(func=cmd_identity)

@@ -17,6 +17,7 @@ from fedax.experiments.outputs import JsonlWriter, write_outputs
 from fedax.experiments.summary import summarize
 from fedax.runtime.config import ServerConfig
 from fedax.runtime.launch import network_setup, network_task, spawn_clients
+from fedax.runtime.secagg.identity import Roster
 from fedax.runtime.security import Registry, ServerTLS
 from fedax.runtime.server import Server
 from fedax.spec.config import Config, check_against_data
@@ -103,6 +104,7 @@ def run_network(config: Config, out_dir: str | Path, *, progress: bool = True,
                         **(server_options or {})}),
         ServerTLS(str(setup / "server.pem"), str(setup / "server.key")),
         Registry.load(str(setup / "registry.json")), address=f"{net.host}:{net.port}",
+        roster=Roster.load(setup / "roster.json") if (setup / "roster.json").exists() else None,
         resume=resume, evaluate=evaluate,
         simulator_seed=config.seed if net.server_randomness == "seed" else None, **extra)
     if config.per_client_eval:  # the clients evaluate on their own test data

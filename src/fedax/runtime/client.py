@@ -102,6 +102,10 @@ class ClientConfig:
       max_message_bytes: refuse a larger task from the server.
       delay_s: wait this long after training each task, before reporting (a slow device,
         for experiments with clients of several speeds).
+      identity: its SecAgg+ identity key (``secagg.IdentityKey``) and ``roster``, every
+        client's verification key (``secagg.Roster``, from outside the server): with them
+        it takes part in secure rounds only with the consistency check, which a server
+        that lies about who dropped cannot pass (``fedax.runtime.secagg.identity``).
     """
 
     address: str
@@ -114,6 +118,8 @@ class ClientConfig:
     max_message_bytes: int = 256 << 20
     timeout_s: float = 30.0
     delay_s: float = 0.0
+    identity: Any = None
+    roster: Any = None
 
 
 class Client:

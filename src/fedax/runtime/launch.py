@@ -109,6 +109,9 @@ def spawn_clients(config: Config, setup: Path, out: Path, port: int,
                    "--server", f"127.0.0.1:{port}", "--ca", str(setup / "ca.pem"),
                    "--config", str(spec), "--id", f"{first}-{last}",
                    "--token-file", str(setup / "tokens" / "{id}.token"),
+                   *(["--identity", str(setup / "identities" / "{id}.key"),
+                      "--roster", str(setup / "roster.json")]
+                     if (setup / "roster.json").exists() else []),
                    "--state-dir", str(out / "network" / "clients" / "{id}"),
                    "--reconnect-s", "60"]
         with open(logs / f"clients_{first}-{last}.log", "wb") as err:

@@ -7,8 +7,11 @@ node), trains, runs the aggregator's client stage with the aggregator state sent
 client-stage key (the server's in a rehearsal; else its own, from its secret, so that
 noise it adds is its own), encodes the output with its quantization key k_i for the n
 selected (``SecurePlan.encode``) and answers its SecAgg+ public keys. It then answers the
-server's ``secagg-keys``, ``secagg-masked`` and ``secagg-unmask`` requests for that round
-and attempt with ``SecAggClient``'s stages. Its update, statistics, sums and n_k never leave
+server's ``secagg-keys``, ``secagg-masked``, ``secagg-sign`` and ``secagg-unmask`` requests
+for that round and attempt with ``SecAggClient``'s stages. A client given an identity key
+and the roster (``ClientConfig.identity``, ``roster``) signs its keys, checks its
+neighbours', and takes part only in rounds with the consistency check: it refuses a
+``Setup`` without one, whatever the server says. Its update, statistics, sums and n_k never leave
 it; the only vector it sends is masked. A request that does not parse, or that the
 protocol refuses (e.g. both shares of one neighbour), is refused: logged, recorded in
 ``Client.rounds`` as ``(round, attempt, False, "secagg refused: ...")`` and left
@@ -33,6 +36,7 @@ from fedax.runtime.secagg import (
     SecAggClient,
     SecAggError,
     Setup,
+    SurvivorSignature,
     UnmaskShares,
 )
 from fedax.runtime.secure_task import (
@@ -41,6 +45,7 @@ from fedax.runtime.secure_task import (
     REQUESTS,
     SECAGG_PATH,
     SECURE_KEY_PATH,
+    SIGN,
     STAGE_KEY_PATH,
     pack,
     tensor_bytes,
@@ -49,16 +54,16 @@ from fedax.runtime.secure_task import (
 from fedax.runtime.security import key_words
 
 log = logging.getLogger("fedax.runtime.client")
-ORDER = ("setup", "share_keys", "masked_input", "unmask")  # the stages a client answers
-STAGE_OF = {KEYS: "share_keys", MASKED: "masked_input"}  # the request -> its stage
+ORDER = ("setup", "share_keys", "masked_input", "sign", "unmask")  # the stages it answers
+STAGE_OF = {KEYS: "share_keys", MASKED: "masked_input", SIGN: "sign"}  # request -> stage
 
 
 @dataclasses.dataclass(frozen=True)
 class SecAggFault:
     """Fault injection (tests only): the client drops out of SecAgg+ at ``stage``, as
     ``fedax.runtime.secagg.run_round``'s ``drop`` does: ``offline`` never answers the
-    training task; ``setup``, ``share_keys`` and ``masked_input`` answer that stage and
-    then go silent; ``unmask`` computes its shares and never sends them. ``attempts``:
+    training task; ``setup``, ``share_keys``, ``masked_input`` and ``sign`` answer that
+    stage and then go silent; ``unmask`` computes its shares and never sends them. ``attempts``:
     only in these ``(round, attempt)`` pairs (None: in every one)."""
 
     stage: str
@@ -85,6 +90,7 @@ class SecureRounds:
         self._at: tuple[int, int] | None = None
         self._protocol: SecAggClient | None = None
         self._x: np.ndarray | None = None
+        self._refused: tuple[int, int] | None = None  # the (round, attempt) it refused
 
     def _forget(self) -> None:
         self._at, self._protocol, self._x = None, None, None
@@ -103,6 +109,7 @@ class SecureRounds:
                     "%d.%d: %s", self.client.config.client_id, t, attempt, why)
         self.client.rounds.append((t, attempt, False, f"secagg refused: {why}"))
         self._forget()
+        self._refused = (t, attempt)  # asked again (it is still open): it lets it pass
 
     def _send(self, conn: Any, env: Any, message: Any, last: bool = False) -> bool:
         """``message`` to the server under ``env``'s header; whether it was accepted (a
@@ -159,6 +166,9 @@ class SecureRounds:
         client, plan = self.client, b["secure"]
         cid, t, attempt = client.config.client_id, int(env.round), int(env.attempt)
         self._forget()
+        if self._refused == (t, attempt):
+            client.stop.wait(min(max(env.deadline_s, 0.05), 1.0))
+            return
         try:
             sent, own = self._task(b, env)
             setup = Setup.from_bytes(tensor_bytes(own[SECAGG_PATH]))
@@ -172,6 +182,8 @@ class SecureRounds:
                                   f"{p.num_shares}")
             if plan.spec.clip is not None:
                 plan.spec.levels_for(p.num_clients)
+            protocol = SecAggClient.from_setup(setup, identity=client.config.identity,
+                                               roster=client.config.roster)
         except (wire.WireError, SecAggError, ValueError) as err:
             return self._refuse(t, attempt, f"the training task: {err}")
         if self._silent("setup", t, attempt):  # offline: it never answers
@@ -188,8 +200,7 @@ class SecureRounds:
         x = plan.flatten(out[1])
         if p.bits < 32 and (x >> p.bits).any():
             return self._refuse(t, attempt, f"its client stage's integers exceed 2^{p.bits}")
-        protocol = SecAggClient.from_setup(setup)
-        keys = PublicKeys(cid, *protocol.setup())
+        keys = PublicKeys(cid, *protocol.setup(), protocol.key_signature)
         client.secure_input = ((t, attempt), x)  # (tests; never sent)
         if client.config.delay_s > 0:
             client.stop.wait(client.config.delay_s)
@@ -207,11 +218,12 @@ class SecureRounds:
         if stage != "unmask" and self._silent(stage, t, attempt):
             return
         cid, protocol = client.config.client_id, self._protocol
-        reply: EncryptedShares | MaskedVector | UnmaskShares
+        reply: EncryptedShares | MaskedVector | SurvivorSignature | UnmaskShares
         try:
             request = unpack(env.tensors, REQUESTS[kind])
             if kind == KEYS:
-                reply = EncryptedShares(cid, protocol.share_keys(request.keys))
+                reply = EncryptedShares(cid, protocol.share_keys(request.keys,
+                                                                 request.signatures))
             elif kind == MASKED:
                 if request.dst != cid:
                     raise SecAggError(f"shares addressed to client {request.dst}")
@@ -220,8 +232,11 @@ class SecureRounds:
                 y = protocol.masked_input(self._x, request.shares)
                 reply = MaskedVector(cid, protocol.params.bits, y, protocol.blamed)
                 self._x = None
+            elif kind == SIGN:
+                reply = SurvivorSignature(cid, protocol.sign_survivors(request.u2, request.u3))
             else:
-                reply = UnmaskShares(cid, protocol.unmask(request.survivors, request.dropped))
+                reply = UnmaskShares(cid, protocol.unmask(request.survivors, request.dropped,
+                                                          request.signatures))
         except (wire.WireError, SecAggError, KeyError) as err:
             return self._refuse(t, attempt, f"{kind}: {err}")
         if stage == "unmask" and self._silent(stage, t, attempt):

@@ -13,9 +13,13 @@ Round t, attempt a, with the n clients selected as for any round:
    keys (``PublicKeys``); its update, statistics, sums and n_k never leave it.
 2. ``secagg-keys``: each live client's key directory; it answers its encrypted shares.
 3. ``secagg-masked``: the shares addressed to it; it answers its masked vector.
-4. ``secagg-unmask``: the survivors and the dropped among its neighbours; it answers its
-   shares of their self-mask seeds and mask keys. The server removes the masks and has
-   the sum mod 2^b of the survivors' vectors, and nothing else about any of them.
+4. ``secagg-sign`` (with a roster of the clients' identity keys: the consistency check):
+   the survivor sets U2 and U3; it answers its signature on them (stage 1's keys were
+   signed too, and checked by each neighbour against the roster).
+5. ``secagg-unmask``: the survivors and the dropped among its neighbours (and the
+   survivors' signatures); it answers its shares of their self-mask seeds and mask keys.
+   The server removes the masks and has the sum mod 2^b of the survivors' vectors, and
+   nothing else about any of them.
 
 Each stage is an open round of its own kind (fresh single-use nonces, ``deadline_s`` each,
 every reply authenticated by the Gate and its header checked before its body is read, as
@@ -55,6 +59,7 @@ from fedax.runtime.secagg import (
     SecAggParams,
     SecAggServer,
     ShareDelivery,
+    SurvivorSet,
     UnmaskRequest,
     ring_graph,
 )
@@ -63,6 +68,7 @@ from fedax.runtime.secure_task import (
     MASKED,
     REPLIES,
     SECURE_KEY_PATH,
+    SIGN,
     UNMASK,
     pack,
     protocol_shape,
@@ -100,19 +106,22 @@ class SecurePhase:
     ``close`` it through the protocol's stages, and the checks of the stages' replies.
     ``transcripts``: the last two attempts' protocols."""
 
-    def __init__(self, server: Any, plan: Any, shape: tuple, rehearsal: bool):
+    def __init__(self, server: Any, plan: Any, shape: tuple, rehearsal: bool,
+                 roster: Any = None, signers: int | None = None):
         self.server, self.plan, self.spec = server, plan, plan.spec
         self._shape, self._rehearsal = shape, rehearsal
+        self.roster, self._signers = roster, signers
         self._steps: dict[int, Any] = {}
         self.transcripts: collections.deque[SecureTranscript] = collections.deque(maxlen=2)
 
     @classmethod
-    def create(cls, server: Any, task: Any, built: Any,
-               rehearsal: bool) -> SecurePhase | None:
+    def create(cls, server: Any, task: Any, built: Any, rehearsal: bool,
+               roster: Any = None) -> SecurePhase | None:
         """The secure phase of ``server`` (None: plain reports). The protocol's shape is
         checked for the selection size (one line if it cannot run); ``rehearsal``: the
         server was given its keys (the simulator's), so its clients may use the
-        client-stage keys it derives."""
+        client-stage keys it derives; ``roster`` (a ``secagg.Roster``): run the
+        consistency check, with ``secure.signers`` (default ⌊n/2⌋ + 1) signatures."""
         plan = secure_plan(task, server.pieces, built.params)
         if plan is None:
             return None
@@ -121,7 +130,19 @@ class SecurePhase:
         protocol_shape(server.config.selection_size, *shape)
         if plan.spec.clip is not None:  # the sum of that many must not wrap around
             plan.spec.levels_for(server.config.selection_size)
-        return cls(server, plan, shape, rehearsal)
+        signers = None if section is None else section.signers
+        if roster is not None:
+            cls._signers_for(server.config.selection_size, signers)
+        return cls(server, plan, shape, rehearsal, roster, signers)
+
+    @staticmethod
+    def _signers_for(n: int, signers: int | None) -> int:
+        """The consistency check's s for n selected (one line if it cannot be met)."""
+        s = n // 2 + 1 if signers is None else signers
+        if not n < 2 * s <= 2 * n:
+            raise ValueError(f"secure.signers {s} must be a strict majority of the {n} "
+                             f"clients selected a round: in ({n // 2}, {n}]")
+        return s
 
     def open(self, t: int, attempt: int, selected: list[int]) -> OpenRound:
         """The training task of a secure round, each selected client's with its keys and
@@ -133,8 +154,10 @@ class SecurePhase:
         key = round_key(self.server._key, t)
         stage_keys = np.asarray(round_keys(key, n)[0])
         quantization = secure_keys(key, n)
-        params = SecAggParams(n, k, threshold, plan.spec.bits, plan.length, os.urandom(16))
-        protocol = SecAggServer(params, ring_graph(selected, k, os.urandom(16)))
+        signers = 0 if self.roster is None else self._signers_for(n, self._signers)
+        params = SecAggParams(n, k, threshold, plan.spec.bits, plan.length, os.urandom(16),
+                              signers)
+        protocol = SecAggServer(params, ring_graph(selected, k, os.urandom(16)), self.roster)
         setups = protocol.setup_messages()
         own = {}
         for i, cid in enumerate(selected):
@@ -190,10 +213,13 @@ class SecurePhase:
         result, record = None, first["record"]
         try:
             got = replies("train", first)
-            keys = enough(run(protocol.collect_public_keys,
+            signed = {c: m.signature for c, m in got.items()}
+            keys = enough(run(lambda pks: protocol.collect_public_keys(pks, signed),
                               {c: (m.pk1, m.pk2) for c, m in got.items()}), "sent keys")
-            got = replies("keys", self._stage(
-                r, KEYS, {c: KeyDirectory(d) for c, d in keys.items()}))
+            sigs = protocol.key_signatures
+            got = replies("keys", self._stage(r, KEYS, {
+                c: KeyDirectory(d, {v: sigs[v] for v in d if v in sigs})
+                for c, d in keys.items()}))
             shares = enough(run(protocol.collect_shares,
                                 {c: m.shares for c, m in got.items()}), "shared their keys")
             got = replies("masked", self._stage(
@@ -201,6 +227,11 @@ class SecurePhase:
             blamed = {c: m.blamed for c, m in got.items()}
             asks = enough(run(lambda ys: protocol.collect_masked(ys, blamed),
                               {c: m.values for c, m in got.items()}), "sent masked inputs")
+            if protocol.params.signers:
+                got = replies("sign", self._stage(r, SIGN, {
+                    c: SurvivorSet(*q) for c, q in protocol.sign_requests().items()}))
+                asks = run(protocol.collect_signatures,
+                           {c: m.signature for c, m in got.items()})
             got = replies("unmask", self._stage(
                 r, UNMASK, {c: UnmaskRequest(*q) for c, q in asks.items()}))
             total = run(protocol.collect_unmask, {c: m.shares for c, m in got.items()})

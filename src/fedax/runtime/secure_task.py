@@ -41,6 +41,8 @@ from fedax.runtime.secagg import (
     PublicKeys,
     SecAggError,
     ShareDelivery,
+    SurvivorSet,
+    SurvivorSignature,
     UnmaskRequest,
     UnmaskShares,
     default_num_shares,
@@ -50,7 +52,8 @@ SECAGG_PATH = "secagg"
 STAGE_KEY_PATH = "['stage']['key']"  # a client's client-stage key (a rehearsal's only)
 SECURE_KEY_PATH = "['secure']['key']"  # its quantization key k_i
 KEYS, MASKED, UNMASK = "secagg-keys", "secagg-masked", "secagg-unmask"
-STAGES = (KEYS, MASKED, UNMASK)  # envelope kinds (and the server's phases) after "task"
+SIGN = "secagg-sign"  # the consistency check, between MASKED and UNMASK (with a roster)
+STAGES = (KEYS, MASKED, SIGN, UNMASK)  # envelope kinds (and the server's phases) after "task"
 
 
 class MessageClass(Protocol):
@@ -60,10 +63,11 @@ class MessageClass(Protocol):
 
 
 REQUESTS: dict[str, MessageClass] = {KEYS: KeyDirectory, MASKED: ShareDelivery,
-                                     UNMASK: UnmaskRequest}
+                                     SIGN: SurvivorSet, UNMASK: UnmaskRequest}
 # what a client answers in each phase ("train": the training task, with the Setup)
 REPLIES: dict[str, MessageClass] = {"train": PublicKeys, KEYS: EncryptedShares,
-                                    MASKED: MaskedVector, UNMASK: UnmaskShares}
+                                    MASKED: MaskedVector, SIGN: SurvivorSignature,
+                                    UNMASK: UnmaskShares}
 
 
 def default_threshold(num_shares: int) -> int:
@@ -261,7 +265,7 @@ def sender(message: Any) -> int:
 
 
 __all__ = ["KEYS", "MASKED", "REPLIES", "REQUESTS", "SECAGG_PATH", "SECURE_KEY_PATH",
-           "STAGES", "STAGE_KEY_PATH", "UNMASK", "SecAggError", "SecurePlan",
+           "SIGN", "STAGES", "STAGE_KEY_PATH", "UNMASK", "SecAggError", "SecurePlan",
            "default_threshold", "expected_clients", "pack", "protocol_shape",
            "secure_client_step", "secure_keys", "secure_plan", "secure_steps",
            "sender", "tensor_bytes", "unpack"]

@@ -176,7 +176,10 @@ def make_dev_pki(directory: str | os.PathLike[str], num_clients: int,
                  days: int = 30) -> dict[str, Any]:
     """A throwaway CA, a server certificate for ``hosts`` signed by it, and a token per
     client, written to ``directory``: ``ca.pem``, ``server.pem``, ``server.key``,
-    ``registry.json`` and ``tokens/<id>.token``. Returns the paths (and the tokens).
+    ``registry.json`` and ``tokens/<id>.token``; and each client's SecAgg+ identity key
+    (``identities/<id>.key``) with the ``roster.json`` of their verification keys (in a
+    deployment each client makes its own, ``fedax client --new-identity``, and the operator
+    gathers the public halves). Returns the paths (and the tokens).
 
     Keys are EC P-256; the CA key is not kept (nothing more can be signed with it).
     """
@@ -223,10 +226,17 @@ def make_dev_pki(directory: str | os.PathLike[str], num_clients: int,
     tokens = {k: new_token() for k in range(int(num_clients))}
     for k, token in tokens.items():
         write_atomic(out / "tokens" / f"{k}.token", token.encode(), mode=0o600)
+    from fedax.runtime.secagg.identity import IdentityKey, Roster
+
+    (out / "identities").mkdir(exist_ok=True)
+    identities = {k: IdentityKey.generate() for k in tokens}
+    for k, identity in identities.items():
+        identity.save(out / "identities" / f"{k}.key")
+    Roster.of(identities).save(out / "roster.json")
     Registry.of_tokens(tokens).save(out / "registry.json")
     return {"ca": str(out / "ca.pem"), "cert": str(out / "server.pem"),
             "key": str(out / "server.key"), "registry": str(out / "registry.json"),
-            "tokens": tokens}
+            "roster": str(out / "roster.json"), "tokens": tokens}
 
 
 # A failed connection's (cause, what to do, worth retrying); see ``probe``.

@@ -121,7 +121,8 @@ class Server:
     keys. ``simulator_seed``: the simulator's randomness entirely, ``key(seed)`` and its
     selection (``rounds.select``), for a rehearsal that must reproduce a simulated run
     (``fedax run`` with ``network.server_randomness: seed``); public, so never in a
-    deployment.
+    deployment. ``roster``: the clients' identity keys (``secagg.Roster``): a secure task
+    runs SecAgg+'s consistency check (``fedax.runtime.secure_phase``).
 
     Example::
 
@@ -136,7 +137,8 @@ class Server:
     def __init__(self, task: Task, config: ServerConfig, tls: ServerTLS, registry: Registry,
                  address: str = "127.0.0.1:0", resume: bool = False,
                  evaluate: Callable[[Any], dict[str, float]] | None = None,
-                 key: jax.Array | None = None, simulator_seed: int | None = None):
+                 key: jax.Array | None = None, simulator_seed: int | None = None,
+                 roster: Any = None):
         self.task, self.config, self.tls, self.registry = task, config, tls, registry
         if simulator_seed is not None:
             key = jax.random.key(simulator_seed)
@@ -167,7 +169,8 @@ class Server:
         self.rpcs = ServerRPCs(self)
         self.checkpoints = Checkpoints(self)
         self.phases = Phases(self, built, self._encodes)  # holdout (server.lr: learned)
-        self.secure = SecurePhase.create(self, task, built, rehearsal=key is not None)
+        self.secure = SecurePhase.create(self, task, built, rehearsal=key is not None,
+                                         roster=roster)
         self._set_key(key)
         self._lock = threading.Condition()
         self._news = threading.Condition()  # a round opened or closed, or the run ended

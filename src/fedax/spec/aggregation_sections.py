@@ -161,7 +161,10 @@ class SecureConfig(_Section):
     network the SecAgg+ protocol (``num_shares`` k, the neighbourhood a client shares its
     secrets with, itself included; ``threshold`` t of them to unmask; defaults:
     min(n, 2⌈log2 n⌉+1), odd, and max(⌊k/2⌋+1, ⌊2k/3⌋): more than half, so that a server
-    lying about drop-outs cannot gather both secrets of one client)."""
+    lying about drop-outs cannot gather both secrets of one client). With a roster of the
+    clients' identity keys (docs/deployment.md) the consistency check needs ``signers``
+    survivors' signatures, default ⌊n/2⌋+1 of the n selected; against a server colluding
+    with c clients take more than (n + c)/2."""
 
     bits: int = Field(32, ge=1, le=32)
     clip: Number | None = Field(None, gt=0, allow_inf_nan=False)
@@ -169,6 +172,7 @@ class SecureConfig(_Section):
     max_weight: Number | None = Field(None, gt=0, allow_inf_nan=False)
     num_shares: int | None = Field(None, ge=3)
     threshold: int | None = Field(None, ge=2)
+    signers: int | None = Field(None, ge=2)
 
 
 class RobustConfig(_Section):

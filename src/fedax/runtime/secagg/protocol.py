@@ -453,6 +453,10 @@ class SecAggServer:
         """(U2, U3), sorted: what every survivor signs in the consistency check."""
         return tuple(sorted(self._u2)), self.survivors
 
+    def sign_requests(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """The consistency check's requests: ``survivor_set`` to every survivor."""
+        return dict.fromkeys(self._requests, self.survivor_set())
+
     def collect_signatures(self, replies: Mapping[int, bytes]
                            ) -> dict[int, tuple[tuple[int, ...], tuple[int, ...], dict]]:
         """The consistency check's replies (survivor -> its signature on ``survivor_set``)

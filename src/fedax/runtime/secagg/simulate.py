@@ -162,10 +162,9 @@ def run_round(inputs: Mapping[int, np.ndarray], params: SecAggParams, *,
         requests = collect("masked_input", lambda m: server.collect_masked(m, blamed), masked)
         log.survivors = server.survivors
         if params.signers:
-            u2, u3 = server.survivor_set()
             signed = {}
-            for cid in requests:
-                reply = exchange("sign", cid, SurvivorSet(u2, u3), lambda m, c=cid: (
+            for cid, sets in server.sign_requests().items():
+                reply = exchange("sign", cid, SurvivorSet(*sets), lambda m, c=cid: (
                     SurvivorSignature(c, clients[c].sign_survivors(m.u2, m.u3))),
                     SurvivorSignature)
                 if reply is not None:
