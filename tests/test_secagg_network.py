@@ -228,6 +228,7 @@ def test_a_client_refuses_a_setup_a_lying_server_could_exploit(pki, parts):
         env = wire.Envelope()
         env.ParseFromString(server._task_for(0))
         env.tensors[-1].CopyFrom(pack(setup))
+        client._secure._refused = None  # (a task it refused is let pass when asked again)
         client._secure.train(None, b, env)  # no connection: it must not answer
         (t, attempt, accepted, why), = client.rounds[-1:]
         assert (t, attempt, accepted) == (0, 0, False) and words in why, why
