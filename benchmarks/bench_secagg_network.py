@@ -3,8 +3,10 @@
 The setting: MNIST 2NN (199,210 parameters), IID, n clients of 60,000/n examples, every
 client in every round (C = 1), E = 1, B = 50, client lr 0.1, hosted by ``--processes``
 ``fedax client`` processes on loopback (TLS, tokens), the server in this process. For each
-n, two runs of ``--rounds`` rounds: plain FedAvg, and ``secure: {bits: 32}`` (SecAgg+: the
-clients train, encode, and run the protocol's four stages; the server unmasks the sum).
+n, three runs of ``--rounds`` rounds: plain FedAvg, and ``secure: {bits: 32}`` (SecAgg+: the
+clients train, encode, and run the protocol's stages; the server unmasks the sum) without
+and with the consistency check (identity keys and the roster, a fifth stage: the setup's
+``roster.json`` removed, or kept).
 
 Per round (the median over rounds 2.., so that compilation and start-up are left out):
 
@@ -37,6 +39,7 @@ import time
 from pathlib import Path
 
 from fedax.experiments.network import run_network
+from fedax.runtime import make_dev_pki
 from fedax.spec.config import validate_config
 
 BASE = {"seed": 0, "dataset": "mnist", "partition": "iid", "model": "2nn",
@@ -90,12 +93,18 @@ class Sampler(threading.Thread):
             time.sleep(0.05)
 
 
-def run(n: int, rounds: int, processes: int, secure: bool, work: Path) -> dict:
+def run(n: int, rounds: int, processes: int, secure: bool, work: Path,
+        checked: bool = True) -> dict:
     data = {**BASE, "num_clients": n, "rounds": rounds, "eval_every": 10 * rounds,
             "network": {"local_clients": processes, "deadline_s": 300}}
     if secure:
         data["secure"] = {"bits": 32}
-    out = work / f"{'secure' if secure else 'plain'}-{n}"
+    name = f"{'secure' if secure else 'plain'}{'' if checked else '-unchecked'}-{n}"
+    out = work / name
+    if not checked:  # a setup without the roster: no consistency check
+        setup = make_dev_pki(work / f"pki-{name}", n)
+        Path(setup["roster"]).unlink()
+        data["network"]["setup"] = str(work / f"pki-{name}")
     log = out / "checkpoints" / "rounds.jsonl"  # the server's round log, line by line
     sampler = Sampler(log)
     sampler.start()
@@ -115,7 +124,7 @@ def run(n: int, rounds: int, processes: int, secure: bool, work: Path) -> dict:
             server_cpu.append(samples[after][0] - samples[before][0])
             client_cpu.append(samples[after][1] - samples[before][1])
     median = statistics.median
-    row = {"num_clients": n, "secure": secure,
+    row = {"num_clients": n, "secure": secure, "checked": secure and checked,
            "round_s": median(r["round_s"] for r in steady),
            "server_cpu_s": median(server_cpu) if server_cpu else None,
            "client_cpu_s_per_client": median(client_cpu) / n if client_cpu else None,
@@ -125,6 +134,7 @@ def run(n: int, rounds: int, processes: int, secure: bool, work: Path) -> dict:
     if secure:
         row["protocol_server_cpu_s"] = median(r["secure_server_cpu_s"] for r in steady)
         row["survivors"] = steady[-1]["secure_survivors"]
+        row["signers"] = steady[-1]["secure_signers"]  # the consistency check (0: none)
     return row
 
 
@@ -139,8 +149,14 @@ def main() -> None:
     results = []
     for n in [int(c) for c in args.clients.split(",")]:
         plain = run(n, args.rounds, args.processes, False, work)
+        unchecked = run(n, args.rounds, args.processes, True, work, checked=False)
         secure = run(n, args.rounds, args.processes, True, work)
-        results += [plain, secure]
+        results += [plain, unchecked, secure]
+        print(f"n={n}: without the consistency check: round {unchecked['round_s']:.2f} s "
+              f"({unchecked['round_s'] / plain['round_s']:.2f}x plain), server CPU "
+              f"{unchecked['server_cpu_s']:.2f} s "
+              f"({unchecked['server_cpu_s'] / plain['server_cpu_s']:.2f}x), client CPU "
+              f"{unchecked['client_cpu_s_per_client']:.3f} s", flush=True)
         print(f"n={n}: round {plain['round_s']:.2f} s plain, {secure['round_s']:.2f} s "
               f"secure ({secure['round_s'] / plain['round_s']:.2f}x); server CPU "
               f"{plain['server_cpu_s']:.2f} s plain, {secure['server_cpu_s']:.2f} s secure "

@@ -194,3 +194,25 @@ def test_too_few_signers_abort_before_anything_is_unmasked():
     with pytest.raises(SecAggAbort, match="7 survivors signed"):
         run_round(inputs, params, drop={"masked_input": {0, 1, 2}}, seed=4,
                   identities=_identities(n))
+
+
+def test_fedax_identity_makes_a_private_key_and_prints_its_roster_entry(tmp_path, capsys):
+    import json
+    import stat
+
+    from fedax.cli.main import main
+
+    path = tmp_path / "3.key"
+    assert main(["identity", str(path), "--id", "3"]) == 0
+    line = capsys.readouterr().out.strip()
+    roster = Roster({int(c): bytes.fromhex(k) for c, k in json.loads("{" + line + "}").items()})
+    key = IdentityKey.load(path)
+    assert roster.keys == {3: key.public} and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert roster.verify(3, b"m", key.sign(b"m")) and not roster.verify(3, b"n", key.sign(b"m"))
+    assert main(["identity", str(path), "--id", "3"]) == 2  # never overwritten
+    assert "is never overwritten" in capsys.readouterr().err
+    roster.save(tmp_path / "roster.json")
+    assert Roster.load(tmp_path / "roster.json").keys == roster.keys
+    (tmp_path / "bad.json").write_text('{"ed25519": {"0": "abc"}}')
+    with pytest.raises(ValueError, match="bad.json: expected JSON"):
+        Roster.load(tmp_path / "bad.json")

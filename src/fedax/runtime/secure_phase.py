@@ -253,6 +253,7 @@ class SecurePhase:
             secure_survivors=len(survivors), secure_dropped=n - len(survivors),
             secure_num_shares=protocol.params.num_shares,
             secure_threshold=protocol.params.threshold,
+            secure_signers=protocol.params.signers,
             secure_server_cpu_s=round(counts["cpu"], 4), client_stats=WITHHELD,
             **{f"secure_bytes_{d}_{stage}": v[i] for stage, v in traffic.items()
                for i, d in enumerate(("in", "out"))})

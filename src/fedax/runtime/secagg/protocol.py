@@ -460,21 +460,25 @@ class SecAggServer:
     def collect_signatures(self, replies: Mapping[int, bytes]
                            ) -> dict[int, tuple[tuple[int, ...], tuple[int, ...], dict]]:
         """The consistency check's replies (survivor -> its signature on ``survivor_set``)
-        -> each signer's unmask request, with every valid signature (``signers`` of them
-        at least, else it aborts)."""
+        -> each replier's unmask request, with ``signers`` valid signatures (it verifies
+        in id order until it has them, else it aborts; each client verifies them again)."""
         self._enter("sign", "unmask")
         assert self.roster is not None
         statement = survivor_statement(self.digest, *self.survivor_set())
-        valid = {}
+        valid: dict[int, bytes] = {}
         for u, sig in sorted(replies.items()):
-            if u in self._u3 and self.roster.verify(u, statement, sig):
-                valid[u] = sig
-            else:
-                self.rejected[u] = "a survivor-set signature that does not verify"
+            if u not in self._u3:
+                self.rejected[u] = "a survivor-set signature from a client not in U3"
+            elif len(valid) < self.params.signers:
+                if self.roster.verify(u, statement, sig):
+                    valid[u] = sig
+                else:
+                    self.rejected[u] = "a survivor-set signature that does not verify"
         if len(valid) < self.params.signers:
             self._abort(f"{len(valid)} survivors signed the survivor sets, fewer than "
                         f"signers {self.params.signers}")
-        self._requests = {u: q for u, q in self._requests.items() if u in valid}
+        self._requests = {u: q for u, q in self._requests.items()
+                          if u in replies and u not in self.rejected}
         return {u: (*q, dict(valid)) for u, q in self._requests.items()}
 
     def _valid_masked(self, replies: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
