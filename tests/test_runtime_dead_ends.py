@@ -68,7 +68,8 @@ def test_failed_init_leaves_nothing_and_the_corrected_command_works(tmp_path, ca
     assert snapshot(tmp_path) == {}  # no setup, no staging directory, no parents
     assert main(["server", "init", str(out), "--clients", "2"]) == 0
     assert sorted(snapshot(out)) == [
-        "ca.pem", "config.yaml", "registry.json", "server.key", "server.pem", "tokens",
+        "ca.pem", "config.yaml", "identities", "identities/0.key", "identities/1.key",
+        "registry.json", "roster.json", "server.key", "server.pem", "tokens",
         "tokens/0.token", "tokens/1.token"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deep"]
     assert sorted(p.name for p in (tmp_path / "deep").iterdir()) == ["setup"]
