@@ -133,6 +133,18 @@ def secure_run(task, pki, parts, faults=None, ids=None, expect_error=None, check
     return server, clients
 
 
+def serve_to_the_end(server, clients):
+    """Runs every client in a thread until the started ``server`` finishes, then stops it."""
+    threads = [threading.Thread(target=c.run, daemon=True) for c in clients.values()]
+    for thread in threads:
+        thread.start()
+    try:
+        assert server.wait(60.0)
+        join_all(threads, 30.0)
+    finally:
+        server.stop()
+
+
 def modular_total(clients, ids, bits=32):
     """Σ of the clients' encoded vectors mod 2^bits (what the server must unmask)."""
     total = sum(clients[k].secure_input[1].astype(np.uint64) for k in ids)
@@ -415,14 +427,7 @@ def test_a_client_that_sends_garbage_shares_is_dropped_and_the_round_completes(
     port = server.start()
     clients = {k: Client(client_config(pki, port, k, reconnect_s=5.0), *parts[k])
                for k in range(N)}
-    threads = [threading.Thread(target=c.run, daemon=True) for c in clients.values()]
-    for thread in threads:
-        thread.start()
-    try:
-        assert server.wait(60.0)
-        join_all(threads, 30.0)
-    finally:
-        server.stop()
+    serve_to_the_end(server, clients)
     (transcript,) = server.secure.transcripts
     assert transcript.aborted is None
     assert transcript.protocol.survivors == tuple(honest)
@@ -457,15 +462,8 @@ def test_a_dishonest_clients_integers_are_bounded_by_the_modulus_only(pki, parts
     clients = {k: Client(client_config(pki, port, k, reconnect_s=5.0), *parts[k])
                for k in range(7)}
     clients[0]._secure = Dishonest(clients[0])
-    threads = [threading.Thread(target=c.run, daemon=True) for c in clients.values()]
     initial = jax.tree.map(np.asarray, server.params)
-    for th in threads:
-        th.start()
-    try:
-        assert server.wait(60.0)
-        join_all(threads, 30.0)
-    finally:
-        server.stop()
+    serve_to_the_end(server, clients)
     (transcript,) = server.secure.transcripts
     np.testing.assert_array_equal(transcript.protocol.result, modular_total(clients, range(7)))
     moved = max(float(np.abs(np.asarray(a) - b).max())
