@@ -36,8 +36,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
-from fedax.runtime.secagg.errors import SecAggError
-
 SIGNATURE_BYTES = 64
 KEY_STATEMENT = b"fedax secagg keys v1"
 SURVIVOR_STATEMENT = b"fedax secagg survivors v1"
@@ -134,11 +132,6 @@ class Roster:
         except InvalidSignature:
             return False
         return True
-
-    def require(self, cid: int, message: bytes, signature: bytes, what: str) -> None:
-        if not self.verify(cid, message, signature):
-            raise SecAggError(f"{what}: client {cid}'s signature does not verify against the "
-                              "roster")
 
     def save(self, path: str | os.PathLike) -> None:
         """JSON ``{"ed25519": {"<id>": "<hex key>", ...}}``."""
